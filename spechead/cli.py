@@ -1,0 +1,186 @@
+"""Command line: ``spechead generate | bench | demo``. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .loading import SpecheadError
+
+DEMO_PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to English: Der Hund spielt im Garten mit einem roten Ball.",
+]
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _sampling(args):
+    from .sampling import SamplingConfig
+
+    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+
+
+def _tree(spec: str | None):
+    from .tree import TreeConfig
+
+    return TreeConfig.parse(spec) if spec else None
+
+
+def cmd_generate(args) -> int:
+    from .pipeline import Session, resolve_drafter
+
+    if not args.prompt.strip():
+        raise SpecheadError("empty prompt")
+    if args.method not in ("ar", "eagle"):
+        raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
+    sampling, tree = _sampling(args), _tree(args.tree)
+    session = Session.open(args.target, args.max_len)
+    ids = session.encode(args.prompt)
+    if args.method == "ar":
+        dec = session.decoder()
+    else:
+        dec = session.decoder(resolve_drafter(args.drafter, session.target, args.arch), args.head, tree)
+    stream = not args.json and sys.stdout.isatty()
+    res, shown, printed = None, [], ""
+    for item in dec.stream(ids, args.max_new_tokens, sampling, speculative=args.method != "ar"):
+        if isinstance(item, list):
+            if stream:  # print the text delta of every committed round
+                shown += item
+                text = session.decode(shown)
+                print(text[len(printed) :], end="", flush=True)
+                printed = text
+        else:
+            res = item
+    text = session.decode(res.tokens)
+    if args.json:
+        print(json.dumps({
+            "text": text, "tokens": res.tokens, "prompt_tokens": res.prompt_len, "new_tokens": len(res.tokens),
+            "tau": res.tau, "tokens_per_s": len(res.tokens) / res.wall_s, "stop_reason": res.stop_reason,
+            "timers_ms": res.timers_ms, "head_stats": res.head_stats,
+        }))
+    else:
+        if not stream:
+            print(text)
+        else:
+            print()
+        print(f"[{len(res.tokens)} tokens, {len(res.tokens) / res.wall_s:.1f} tok/s, tau {res.tau:.2f}, "
+              f"{res.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import load_suite, run_bench
+    from .pipeline import Session
+
+    prompts = load_suite(args.suite, args.limit, args.categories.split(",") if args.categories else None)
+    methods = [m for m in args.methods.split(",") if m]
+    session = Session.open(args.target, args.max_len)
+    out = run_bench(session, prompts, methods, args.drafter, args.max_new_tokens, _sampling(args), _tree(args.tree))
+    _print_table(out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 130 if out["config"]["interrupted"] else 0
+
+
+def _print_table(out: dict) -> None:
+    cfg = out["config"]
+    print(f"{cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, {cfg['threads']} threads, tree {cfg['tree']}")
+    print(f"{'method':<22}{'tok/s':>8}{'tau':>7}{'vs ar':>8}{'vs hf':>8}{'mismatch':>10}")
+    for name, m in out["methods"].items():
+        print(f"{name:<22}{m['tokens_per_s']:>8.2f}{m['tau']:>7.2f}{m.get('speedup_vs_ar', float('nan')):>8.2f}"
+              f"{m.get('speedup_vs_hf', float('nan')):>8.2f}{m.get('mismatches_vs_ar', '-'):>10}")
+
+
+def cmd_demo(args) -> int:
+    from .pipeline import Session, demo_drafter_path, resolve_drafter
+
+    t0 = time.perf_counter()
+    session = Session.open("demo", args.max_len)
+    drafter = resolve_drafter("demo", session.target)
+    which = "shipped demo drafter" if demo_drafter_path() else "random drafter (no demo drafter shipped yet)"
+    print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
+    ar, spec = session.decoder(), session.decoder(drafter)
+    ok = True
+    for prompt in DEMO_PROMPTS:
+        ids = session.encode(prompt)
+        ar.generate(ids, 8, speculative=False)  # warm-up
+        a = ar.generate(ids, args.max_new_tokens, speculative=False)
+        s = spec.generate(ids, args.max_new_tokens)
+        same = a.tokens == s.tokens
+        ok &= same
+        print(f"\n> {prompt}\n{session.decode(s.tokens)}")
+        print(f"  ar {len(a.tokens) / a.wall_s:.1f} tok/s | eagle {len(s.tokens) / s.wall_s:.1f} tok/s, "
+              f"tau {s.tau:.2f} | identical to greedy AR: {same}")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spechead", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp, drafter=True):
+        sp.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
+        if drafter:
+            sp.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
+            sp.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
+            sp.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
+        sp.add_argument("--max-new-tokens", type=int, default=128)
+        sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--top-p", type=float, default=1.0)
+        sp.add_argument("--top-k", type=int, default=0)
+        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+    g = sub.add_parser("generate", help="generate a reply to one chat prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", default="eagle", help="ar or eagle")
+    g.add_argument("--head", default="full", help="draft head, e.g. full")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    common(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark methods side by side on a prompt suite")
+    b.add_argument("--suite", default="spec-bench", help="spec-bench, humaneval or a JSONL file with 'turns'")
+    b.add_argument("--limit", type=int, default=None, help="prompts per category")
+    b.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
+    b.add_argument("--methods", default="hf,ar,eagle", help="comma-separated: hf, ar, eagle[@tree]")
+    b.add_argument("--json", default=None, help="write results to this file")
+    common(b)
+    b.set_defaults(func=cmd_bench, max_new_tokens=64)
+
+    d = sub.add_parser("demo", help="the demo: SmolLM2-135M-Instruct, AR vs speculative, outputs compared")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--max-len", type=int, default=2048)
+    d.add_argument("--threads", type=int, default=None)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _threads(getattr(args, "threads", None))
+        return args.func(args)
+    except (SpecheadError, ValueError, FileNotFoundError) as e:
+        print(f"spechead: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spechead: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

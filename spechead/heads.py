@@ -1,0 +1,111 @@
+"""Draft LM heads: one interface that every head implements.
+
+The drafter backbone produces hidden states; a head turns them into the top-k candidate tokens
+(as *target* vocabulary ids) and their draft log-probabilities. The engine also shows every head
+the request's prompt (with the target's logits over it, when the head asks for them) and, after
+each verification round, the drafted tree and the target's logits at every tree node, so that
+context-aware heads such as NanoSpec can adapt. Verification never uses the head, so no head can
+change the output: that is what keeps every method lossless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+
+class Timers:
+    """Accumulated wall time per named phase (synchronising CUDA so the numbers are real)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def __call__(self, name: str, device: torch.device | None = None):
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.ms[name] += (time.perf_counter() - t0) * 1e3
+            self.calls[name] += 1
+
+    def reset(self) -> None:
+        self.ms.clear()
+        self.calls.clear()
+
+
+class DraftHead:
+    """Interface. Subclasses override ``topk`` and, when they adapt to context, ``begin``/``observe``.
+
+    ``weight`` is the drafter's LM-head matrix [V_draft, d]; ``row_ids`` maps its rows to target ids
+    (None for the identity, as with a full-vocabulary head); ``vocab_size`` is the target's V.
+    """
+
+    name = "head"
+    needs_prompt_logits = False
+
+    def __init__(self, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> None:
+        self.weight = weight
+        self.row_ids = row_ids
+        self.vocab_size = vocab_size
+        self.timers = Timers()
+
+    def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
+        """A new request: reset per-request state. ``prompt_logits`` is [P, V] if asked for."""
+
+    def observe(self, tree_tokens: Tensor, node_logits: Tensor) -> None:
+        """After verification: the tree's tokens [N] (root first) and the target's logits [N, V]."""
+
+    def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Top-k of the draft distribution for states h [B, d]: (log-probs [B, k], target ids [B, k])."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        """Per-request telemetry (active vocabulary size, coverage...)."""
+        return {}
+
+    def extra_bytes(self) -> int:
+        """Memory this head holds beyond the drafter's own weights."""
+        return 0
+
+
+def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """log-softmax restricted to the top-k entries, without materialising the full log-softmax."""
+    logits = logits.float()
+    top, idx = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return (top - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp_max(0.0), idx
+
+
+class FullHead(DraftHead):
+    """The baseline: one GEMV/GEMM over every row of the drafter's head."""
+
+    name = "full"
+
+    def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        with self.timers("head", h.device):
+            logp, idx = topk_logprobs(h @ self.weight.T, k)
+            return logp, idx if self.row_ids is None else self.row_ids[idx]
+
+
+HEADS: dict[str, type[DraftHead]] = {"full": FullHead}
+
+
+def make_head(spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> DraftHead:
+    """Build a head from a CLI spec such as ``full``."""
+    name, _, arg = spec.partition(":")
+    if name not in HEADS:
+        from .loading import SpecheadError
+
+        raise SpecheadError(f"unknown head {spec!r}; available: {', '.join(sorted(HEADS))}")
+    if arg:
+        return HEADS[name].from_spec(arg, weight, row_ids, vocab_size)  # type: ignore[attr-defined]
+    return HEADS[name](weight, row_ids, vocab_size)

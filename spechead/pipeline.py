@@ -1,0 +1,73 @@
+"""Assemble a ready decoder from user-facing names (CLI, benchmark and server share this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .drafter import Drafter, load_drafter, random_drafter
+from .engine import Decoder
+from .heads import make_head
+from .loading import SpecheadError, encode_chat, load_target, load_tokenizer, stop_token_ids
+from .model import Transformer
+from .tree import TreeConfig
+
+DEMO_DRAFTERS = Path(__file__).parent / "drafters"
+# Chosen by measurement on the 2-core CPU (see README, "Tree shape"): verifying a token costs ~3 ms
+# here, so small trees win; on a GPU the published 10/5/60 applies.
+DEFAULT_TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
+
+
+def demo_drafter_path(arch: str = "eagle2") -> Path | None:
+    path = DEMO_DRAFTERS / arch
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_drafter(spec: str, target: Transformer, arch: str = "eagle2", seed: int = 0) -> Drafter:
+    """``demo`` (shipped drafter, or a seeded random one while none ships), ``random`` or a folder."""
+    if spec == "demo":
+        path = demo_drafter_path(arch)
+        return load_drafter(path, target) if path else random_drafter(target, arch, seed)
+    if spec == "random":
+        return random_drafter(target, arch, seed)
+    if spec.startswith("random:"):
+        return random_drafter(target, spec.split(":", 1)[1], seed)
+    return load_drafter(spec, target)
+
+
+@dataclass
+class Session:
+    """A loaded target with its tokenizer; makes decoders for any drafter/head combination."""
+
+    target: Transformer
+    folder: Path
+    tokenizer: object
+    max_len: int
+
+    @classmethod
+    def open(cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32) -> Session:
+        model, folder = load_target(target, dtype)
+        return cls(model, folder, load_tokenizer(folder), min(max_len, model.config.max_position_embeddings))
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return stop_token_ids(self.tokenizer, self.target.config)
+
+    def decoder(self, drafter: Drafter | None = None, head: str = "full", tree: TreeConfig | None = None) -> Decoder:
+        draft_head = None
+        if drafter is not None:
+            weight, row_ids = drafter.head_weight(self.target)
+            draft_head = make_head(head, weight, row_ids, self.target.config.vocab_size)
+        return Decoder(self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids)
+
+    def encode(self, turns: list[dict[str, str]] | str) -> list[int]:
+        if isinstance(turns, str):
+            if not turns.strip():
+                raise SpecheadError("empty prompt")
+            turns = [{"role": "user", "content": turns}]
+        return encode_chat(self.tokenizer, turns)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
