@@ -107,15 +107,24 @@ class HFRunner:
         x = torch.tensor([ids])
         kw: dict[str, Any] = {"do_sample": False}
         if not sampling.greedy:
-            kw = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+            kw = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+            }
             torch.manual_seed(sampling.seed or 0)
         t0 = time.perf_counter()
         out = self.model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=self.stop_ids,
-            pad_token_id=self.stop_ids[0], **kw,
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.stop_ids[0],
+            **kw,
         )
         wall = time.perf_counter() - t0
-        toks = out[0, len(ids):].tolist()
+        toks = out[0, len(ids) :].tolist()
         return Run(toks, wall, [1] * max(len(toks) - 1, 0))
 
 

@@ -63,18 +63,31 @@ def cmd_generate(args) -> int:
             res = item
     text = session.decode(res.tokens)
     if args.json:
-        print(json.dumps({
-            "text": text, "tokens": res.tokens, "prompt_tokens": res.prompt_len, "new_tokens": len(res.tokens),
-            "tau": res.tau, "tokens_per_s": len(res.tokens) / res.wall_s, "stop_reason": res.stop_reason,
-            "timers_ms": res.timers_ms, "head_stats": res.head_stats,
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "tokens": res.tokens,
+                    "prompt_tokens": res.prompt_len,
+                    "new_tokens": len(res.tokens),
+                    "tau": res.tau,
+                    "tokens_per_s": len(res.tokens) / res.wall_s,
+                    "stop_reason": res.stop_reason,
+                    "timers_ms": res.timers_ms,
+                    "head_stats": res.head_stats,
+                }
+            )
+        )
     else:
         if not stream:
             print(text)
         else:
             print()
-        print(f"[{len(res.tokens)} tokens, {len(res.tokens) / res.wall_s:.1f} tok/s, tau {res.tau:.2f}, "
-              f"{res.stop_reason}]", file=sys.stderr)
+        print(
+            f"[{len(res.tokens)} tokens, {len(res.tokens) / res.wall_s:.1f} tok/s, tau {res.tau:.2f}, "
+            f"{res.stop_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -99,8 +112,10 @@ def _print_table(out: dict) -> None:
     print(f"{cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, {cfg['threads']} threads, tree {cfg['tree']}")
     print(f"{'method':<22}{'tok/s':>8}{'tau':>7}{'vs ar':>8}{'vs hf':>8}{'mismatch':>10}")
     for name, m in out["methods"].items():
-        print(f"{name:<22}{m['tokens_per_s']:>8.2f}{m['tau']:>7.2f}{m.get('speedup_vs_ar', float('nan')):>8.2f}"
-              f"{m.get('speedup_vs_hf', float('nan')):>8.2f}{m.get('mismatches_vs_ar', '-'):>10}")
+        print(
+            f"{name:<22}{m['tokens_per_s']:>8.2f}{m['tau']:>7.2f}{m.get('speedup_vs_ar', float('nan')):>8.2f}"
+            f"{m.get('speedup_vs_hf', float('nan')):>8.2f}{m.get('mismatches_vs_ar', '-'):>10}"
+        )
 
 
 def cmd_demo(args) -> int:
@@ -121,8 +136,10 @@ def cmd_demo(args) -> int:
         same = a.tokens == s.tokens
         ok &= same
         print(f"\n> {prompt}\n{session.decode(s.tokens)}")
-        print(f"  ar {len(a.tokens) / a.wall_s:.1f} tok/s | eagle {len(s.tokens) / s.wall_s:.1f} tok/s, "
-              f"tau {s.tau:.2f} | identical to greedy AR: {same}")
+        print(
+            f"  ar {len(a.tokens) / a.wall_s:.1f} tok/s | eagle {len(s.tokens) / s.wall_s:.1f} tok/s, "
+            f"tau {s.tau:.2f} | identical to greedy AR: {same}"
+        )
     return 0 if ok else 1
 
 
@@ -134,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
         if drafter:
             sp.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
-            sp.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
+            sp.add_argument(
+                "--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random"
+            )
             sp.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
         sp.add_argument("--max-new-tokens", type=int, default=128)
         sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")

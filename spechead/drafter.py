@@ -81,7 +81,8 @@ class Drafter(nn.Module):
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         state = {
-            k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in self.checkpoint_state().items()
+            k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+            for k, v in self.checkpoint_state().items()
         }
         cfg = self.draft_config()
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -221,9 +222,7 @@ def check_compatible(cfg: ModelConfig, target_cfg: ModelConfig, arch: str) -> No
         )
     target_d = cfg.extra.get("target_hidden_size", cfg.hidden_size) if arch == "eagle3" else cfg.hidden_size
     if target_d != target_cfg.hidden_size or (arch == "eagle2" and cfg.hidden_size != target_cfg.hidden_size):
-        raise SpecheadError(
-            f"drafter hidden size ({target_d}) does not match the target's ({target_cfg.hidden_size})"
-        )
+        raise SpecheadError(f"drafter hidden size ({target_d}) does not match the target's ({target_cfg.hidden_size})")
 
 
 def build_drafter(arch: str, cfg_dict: dict[str, Any], target: Transformer) -> Drafter:
@@ -284,7 +283,9 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise SpecheadError(f"drafter {folder} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise SpecheadError(
+            f"drafter {folder} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     for k, v in state.items():
         if v.shape != expected[k].shape:
             raise SpecheadError(f"drafter tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")

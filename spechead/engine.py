@@ -101,7 +101,11 @@ class Decoder:
     # -- public API -----------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int] | Tensor, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, speculative: bool = True
+        self,
+        prompt: list[int] | Tensor,
+        max_new_tokens: int = 128,
+        sampling: SamplingConfig | None = None,
+        speculative: bool = True,
     ) -> GenerationResult:
         res = None
         for item in self.stream(prompt, max_new_tokens, sampling, speculative):
@@ -112,7 +116,11 @@ class Decoder:
 
     @torch.inference_mode()
     def stream(
-        self, prompt: list[int] | Tensor, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, speculative: bool = True
+        self,
+        prompt: list[int] | Tensor,
+        max_new_tokens: int = 128,
+        sampling: SamplingConfig | None = None,
+        speculative: bool = True,
     ) -> Iterator[list[int] | GenerationResult]:
         """Yield lists of newly committed tokens as they are decided, then the GenerationResult."""
         if max_new_tokens < 1:
@@ -196,8 +204,8 @@ class Decoder:
                 path_t = torch.tensor(path, device=dev)
                 if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                     target.move_cache(path_t + length, length)
-            head.observe(tree.tokens, vo.logits)
             committed = [tokens[n] for n in path[1:]] + [bonus]
+            head.observe(tree.tokens, vo.logits, committed)
             accept_lengths.append(len(committed))
             new, reason = self._finish(committed, out, max_new)
             out += new
@@ -215,4 +223,3 @@ class Decoder:
         yield GenerationResult(
             out, ids.numel(), reason, accept_lengths, timers, time.perf_counter() - t0, prefill_s, head.stats()
         )
-

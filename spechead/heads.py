@@ -62,8 +62,10 @@ class DraftHead:
     def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
         """A new request: reset per-request state. ``prompt_logits`` is [P, V] if asked for."""
 
-    def observe(self, tree_tokens: Tensor, node_logits: Tensor) -> None:
-        """After verification: the tree's tokens [N] (root first) and the target's logits [N, V]."""
+    def observe(self, tree_tokens: Tensor, node_logits: Tensor, committed: list[int]) -> None:
+        """After verification: the tree's tokens [N] (root first), the target's logits [N, V] at every
+        node, and the tokens this round committed (accepted drafts + bonus). Called before the
+        drafter's next backbone pass, so work started here (e.g. an async gather) overlaps it."""
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the draft distribution for states h [B, d]: (log-probs [B, k], target ids [B, k])."""

@@ -219,7 +219,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, attn_input: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, attn_input: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None
+    ) -> Tensor:
         h = x + self.self_attn(attn_input, cos, sin, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
