@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from .drafter import Drafter
 from .heads import DraftHead, Timers
