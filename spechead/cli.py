@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
 
 from .loading import SpecheadError
+
+# Modules that add their own subcommand through add_cli(subparsers).
+PLUGINS = ["spechead.train", "spechead.vocab", "spechead.headbench", "spechead.server", "spechead.coverage"]
 
 DEMO_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -185,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-len", type=int, default=2048)
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_demo)
+    for name in PLUGINS:  # subcommands that live next to their implementation
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.add_cli(sub)
     return p
 
 

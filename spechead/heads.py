@@ -101,8 +101,37 @@ class FullHead(DraftHead):
 HEADS: dict[str, type[DraftHead]] = {"full": FullHead}
 
 
+def register_head(name: str):
+    """Class decorator: make a head available to ``make_head`` / ``--head NAME[:ARG]``.
+
+    A head with an argument implements ``from_spec(arg, weight, row_ids, vocab_size)``.
+    """
+
+    def deco(cls: type[DraftHead]) -> type[DraftHead]:
+        cls.name = name
+        HEADS[name] = cls
+        return cls
+
+    return deco
+
+
+HEAD_MODULES = ["spechead.subset_heads", "spechead.lowrank", "spechead.nanospec"]
+
+
+def _load_head_modules() -> None:
+    import importlib
+
+    for name in HEAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
 def make_head(spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> DraftHead:
     """Build a head from a CLI spec such as ``full``."""
+    _load_head_modules()
     name, _, arg = spec.partition(":")
     if name not in HEADS:
         from .loading import SpecheadError
