@@ -32,9 +32,12 @@ class SubsetHead(DraftHead):
         self, weight: Tensor, row_ids: Tensor | None, vocab_size: int, ids: Tensor | None = None, n: int | None = None
     ) -> None:
         super().__init__(weight, row_ids, vocab_size)
-        if ids is None:  # plain ``fr`` / ``vocabtrim``: the default list at the papers' size
+        if ids is None:  # plain ``fr`` / ``vocabtrim``: the default list at the papers' size, else the longest
             n = min(DEFAULT_SIZE, vocab_size)
-            ids = self.default_list(n, row_ids is not None, vocab_size)
+            try:
+                ids = self.default_list(n, row_ids is not None, vocab_size)
+            except SpecheadError:
+                ids = self.default_list(1, True, vocab_size)
         ids = check_token_ids(torch.as_tensor(ids, dtype=torch.long).flatten().cpu(), vocab_size, self.name)
         if row_ids is None:
             if weight.shape[0] != vocab_size:

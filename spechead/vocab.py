@@ -25,7 +25,7 @@ from torch import Tensor
 from .loading import SpecheadError, cache_dir
 
 SHIPPED_VOCAB = Path(__file__).parent / "drafters" / "vocab"
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "</s>")
 
 
 # -- token-map files ---------------------------------------------------------------------------
@@ -263,12 +263,26 @@ def record_prompt(rec: dict) -> list[dict[str, str]] | None:
 
 
 @torch.inference_mode()
+def drafter_head_inputs(target, drafter, seq: Tensor, P: int) -> Tensor:
+    """The drafter's head inputs [L-P, d] at every draft position of ``seq`` after the first P tokens,
+    computed in one pass: row i is the state the engine drafts its first tree level from once the
+    prompt and i+1 reply tokens are known (the pair (feature_j, token_j+1), j = P-1+i); it predicts
+    token P+1+i."""
+    L = seq.numel()
+    out = target(seq, 0, logits_rows=slice(-1, None), want_aux=drafter.arch == "eagle3")
+    feats = drafter.target_features(out)
+    h = drafter(seq[1:], feats[:-1], 0, torch.arange(L - 1, device=seq.device), None)[P - 1 :]
+    return drafter.head_input(h)
+
+
+@torch.inference_mode()
 def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_tokens: int, topk: int, max_prompt: int):
     """VocabTrim calibration: the target writes a reply to each prompt (greedy; the speculative path
     with the full head gives the target's exact output, faster), then the drafter reads prompt + reply
     the way the engine feeds it and we count its top-k proposals at every reply position.
 
-    Returns (proposal counts [V], summed draft probability [V], reply tokens, of which covered by top-k).
+    Returns (proposal counts [V], summed draft probability [V], reply positions checked, positions
+    whose true next token was among the drafter's top-k).
     """
     from tqdm import tqdm
 
@@ -286,11 +300,7 @@ def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_token
         P, L = len(ids), seq.numel()
         if L - P < 2:
             continue
-        out = target(seq, 0, logits_rows=slice(-1, None), want_aux=drafter.arch == "eagle3")
-        feats = drafter.target_features(out)
-        # pair (feature_j, token_j+1) -> state whose head predicts token_j+2; reply drafts start at j = P-1
-        h = drafter(seq[1:], feats[:-1], 0, torch.arange(L - 1, device=seq.device), None)[P - 1 :]
-        logits = torch.nn.functional.linear(drafter.head_input(h), weight).float()
+        logits = torch.nn.functional.linear(drafter_head_inputs(target, drafter, seq, P), weight).float()
         rows = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
         top = rows if row_ids is None else row_ids[rows]
         counts += torch.bincount(top.flatten().cpu(), minlength=V)

@@ -1,0 +1,147 @@
+"""SlimSpec low-rank head: SVD factors against the Eckart-Young bounds, the module, the head, losslessness."""
+
+import pytest
+import torch
+
+from spechead.drafter import random_drafter
+from spechead.engine import Decoder
+from spechead.heads import make_head
+from spechead.loading import SpecheadError, load_target
+from spechead.lowrank import LowRankHead, LowRankLinear, LowRankScorer, svd_factors, truncate_factors
+from spechead.tree import TreeConfig
+
+
+def weight_with_spectrum(V=96, d=32, seed=0):
+    """A head with a decaying spectrum, like real LM heads (so truncation errors are not all alike)."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(V, d, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    s = torch.logspace(1, -2, d, dtype=torch.float64)
+    return (u * s) @ v.T, s
+
+
+@pytest.mark.parametrize("r", [1, 4, 16, 31])
+def test_svd_factors_meet_the_truncation_bounds(r):
+    W, s = weight_with_spectrum()
+    up, down = svd_factors(W, r)
+    assert up.shape == (96, r) and down.shape == (r, 32)
+    # Eckart-Young: the Frobenius error is exactly the discarded singular values' energy
+    err = torch.linalg.matrix_norm(W - up @ down)
+    torch.testing.assert_close(err, s[r:].pow(2).sum().sqrt(), rtol=1e-6, atol=1e-9)
+    # and no state's logits move by more than sigma_{r+1} |h| (the spectral-norm bound)
+    h = torch.randn(200, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dev = (h @ W.T - (h @ down.T) @ up.T).norm(dim=-1)
+    assert bool((dev <= s[r] * h.norm(dim=-1) * (1 + 1e-9)).all())
+    # the two factors carry S^1/2 each
+    torch.testing.assert_close(up.norm(dim=0), s[:r].sqrt(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(down.norm(dim=1), s[:r].sqrt(), rtol=1e-6, atol=1e-9)
+
+
+def test_fp32_head_at_a_realistic_aspect_ratio():
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(2048, 64, generator=g) * 0.02
+    s = torch.linalg.svdvals(W.double())
+    up, down = svd_factors(W, 8)
+    assert up.dtype == down.dtype == torch.float32
+    err = torch.linalg.matrix_norm((W - up @ down).double())
+    torch.testing.assert_close(err, s[8:].pow(2).sum().sqrt(), rtol=1e-4, atol=0)
+
+
+def test_low_rank_linear_module_layout_and_init():
+    W, _ = weight_with_spectrum()
+    W = W.float()
+    m = LowRankLinear.from_svd(W, 6)
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == {"down.weight": (6, 32), "up.weight": (96, 6)}
+    assert (m.rank, m.in_features, m.out_features) == (6, 32, 96)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(m(x), x @ m.dense().T, rtol=1e-5, atol=1e-5)
+    up, down = svd_factors(W, 6)
+    torch.testing.assert_close(m.dense(), up @ down)
+    # a random init gives logits with the variance of a std-0.02 full head
+    big = LowRankLinear.from_random(256, 4096, 32, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ratio = big(h).var() / (h @ (torch.randn(4096, 256) * 0.02).T).var()
+    assert 0.8 < float(ratio) < 1.25
+    assert LowRankLinear.from_random(32, 96, 4, dtype=torch.bfloat16).up.weight.dtype == torch.bfloat16
+
+
+def test_truncating_a_factorisation_equals_truncating_its_product():
+    W, _ = weight_with_spectrum(seed=3)
+    up, down = svd_factors(W, 12)
+    mixed = torch.randn(12, 12, dtype=torch.float64)  # any other factorisation of the same product
+    up2, down2 = truncate_factors(up @ mixed, torch.linalg.solve(mixed, down), 5)
+    ref_up, ref_down = svd_factors(up @ down, 5)
+    torch.testing.assert_close(up2 @ down2, ref_up @ ref_down, rtol=1e-8, atol=1e-10)
+    with pytest.raises(SpecheadError, match="cannot raise"):
+        truncate_factors(up, down, 13)
+
+
+def test_head_topk_equals_brute_force_over_the_full_vocabulary():
+    W, _ = weight_with_spectrum(seed=4)
+    W = W.float()
+    head = make_head("lowrank:8", W, None, 96)
+    assert isinstance(head, LowRankHead) and head.stats()["rank"] == 8
+    up, down = svd_factors(W, 8)
+    h = torch.randn(5, 32)
+    logp, ids = head.topk(h, 7)
+    want_logp, want = (h @ (up @ down).T).log_softmax(-1).topk(7, dim=-1)
+    assert torch.equal(ids, want)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    assert make_head("lowrank", W, None, 96).scorer.rank == 4  # d/8
+
+
+def test_head_uses_a_drafters_own_low_rank_head_and_maps_reduced_rows():
+    m = LowRankLinear.from_random(32, 40, 6, generator=torch.Generator().manual_seed(5))
+    row_ids = torch.randperm(96, generator=torch.Generator().manual_seed(6))[:40].sort().values
+    head = LowRankHead(m, row_ids, 96)
+    h = torch.randn(4, 32)
+    logp, ids = head.topk(h, 5)
+    want_logp, rows = m(h).log_softmax(-1).topk(5, dim=-1)
+    assert torch.equal(ids, row_ids[rows])
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    assert LowRankHead(m, row_ids, 96, rank=3).scorer.rank == 3  # re-truncated, not re-trained
+
+
+def test_scorer_candidates_skip_excluded_rows():
+    m = LowRankLinear.from_random(32, 96, 8, generator=torch.Generator().manual_seed(7))
+    scorer = LowRankScorer.from_weight(m)
+    h = torch.randn(3, 32)
+    exclude = torch.zeros(96, dtype=torch.bool)
+    exclude[::3] = True
+    got = scorer.candidates(h, 6, exclude)
+    want = m(h).masked_fill(exclude, float("-inf")).topk(6, dim=-1).indices
+    assert torch.equal(got, want) and not bool(exclude[got].any())
+    assert scorer.nbytes == (96 * 8 + 8 * 32) * 4
+
+
+def test_bad_ranks():
+    W = torch.randn(96, 32)
+    for spec, match in [
+        ("lowrank:32", "below the hidden size 32"),
+        ("lowrank:40", "below"),
+        ("lowrank:0", r"\[1, 31\]"),
+    ]:
+        with pytest.raises(SpecheadError, match=match):
+            make_head(spec, W, None, 96)
+    with pytest.raises(SpecheadError, match="integer rank"):
+        make_head("lowrank:big", W, None, 96)
+    with pytest.raises(SpecheadError, match="below the hidden size"):
+        LowRankLinear(32, 96, 32)
+    with pytest.raises(SpecheadError, match="below the hidden size"):
+        svd_factors(W, 33)
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_greedy_output_equals_autoregressive(tiny_small_vocab_dir, arch):
+    target, _ = load_target(str(tiny_small_vocab_dir))
+    drafter = random_drafter(target, arch, seed=2)
+    weight, row_ids = drafter.head_weight(target)
+    ar = Decoder(target, max_len=128)
+    prompts = ([1, 2, 3], [9, 4, 4, 7, 0, 15, 2])
+    want = [ar.generate(p, 30, speculative=False).tokens for p in prompts]
+    for spec in ("lowrank", "lowrank:2"):
+        dec = Decoder(target, drafter, make_head(spec, weight, row_ids, 16), TreeConfig(4, 3, 12), 128)
+        got = [dec.generate(p, 30) for p in prompts]
+        assert [r.tokens for r in got] == want
+        assert max(max(r.accept_lengths) for r in got) >= 2
