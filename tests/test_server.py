@@ -1,0 +1,430 @@
+"""The OpenAI-compatible server end to end: a real ``spechead serve`` process on loopback (demo target,
+random drafter), driven by the official ``openai`` client; greedy answers are checked against the
+engine's own autoregressive decoding, so the server path is also a losslessness check."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spechead.server import TextStream
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m-instruct"
+MAX_LEN = 512
+QUEUE = 4
+CHAT = "Write a haiku about the sea."
+LOAD_PROMPTS = [
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Give one tip for writing clean code.",
+    "Say hello in French.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, what: str, limit: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120, **kw)
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def metric(self, name: str) -> float:
+        """Sum of all samples of a metric (over labels) in /metrics."""
+        total = 0.0
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "spechead.cli", "serve", "--drafter", "random", "--port", str(port)]
+    cmd += ["--max-len", str(MAX_LEN), "--queue-size", str(QUEUE), "--log-level", "warning"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    s = Served(proc, port, log)
+
+    def up() -> bool:
+        assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+        try:
+            return s.health()["status"] == "ok"
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, "the server to start", 300)
+        yield s
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_session):
+    """Greedy autoregressive text (and token ids) for a chat prompt or a raw completion prompt."""
+    ar = demo_session.decoder()
+    cache = {}
+
+    def ref(prompt: str, n: int, raw: bool = False) -> tuple[str, list[int], int]:
+        if (prompt, raw) not in cache or cache[prompt, raw][0] < n:  # a longer greedy run has every shorter one
+            ids = demo_session.tokenizer(prompt)["input_ids"] if raw else demo_session.encode(prompt)
+            cache[prompt, raw] = n, ar.generate(ids, n, speculative=False).tokens, len(ids)
+        _, tokens, n_prompt = cache[prompt, raw]
+        return demo_session.decode(tokens[:n]), tokens[:n], n_prompt
+
+    return ref
+
+
+def chat(client, prompt: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def stream_text(stream) -> tuple[str, str | None, dict | None]:
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for c in chunk.choices:
+            parts.append((c.delta.content or "") if hasattr(c, "delta") else (c.text or ""))
+            finish = c.finish_reason or finish
+    return "".join(parts), finish, usage
+
+
+# -- text deltas (no model) ------------------------------------------------------------------------
+def test_text_stream_holds_back_stop_prefixes_and_partial_characters():
+    def dec(ids):
+        return "".join("\ufffd" if t == 0 else chr(t) for t in ids)
+
+    ts = TextStream(dec, ["abc"])
+    toks = [ord(c) for c in "xa"]
+    assert ts.push(toks) == "x"  # "a" could start "abc"
+    toks += [ord("b")]
+    assert ts.push(toks) == ""
+    toks += [ord("d")]
+    assert ts.push(toks) == "abd"  # the prefix did not complete: released
+    toks += [0]
+    assert ts.push(toks) == ""  # an unfinished character waits
+    toks[-1] = ord("é")
+    assert ts.push(toks) == "é"
+    toks += [ord(c) for c in "zab"]
+    assert ts.push(toks) == "z"
+    toks += [ord("c"), ord("q")]
+    assert ts.push(toks) == "" and ts.stopped  # cut at the stop string, which is not emitted
+    assert ts.finish(toks) == ""
+    assert ts.sent == len("xabdéz")
+
+    ts = TextStream(dec, ["zz", "yx"])  # the earliest occurrence wins, across strings
+    assert ts.push([ord(c) for c in "ayxzz"]) == "a" and ts.stopped
+    ts = TextStream(dec, [])
+    assert ts.push([ord("a"), 0]) == "a" and ts.finish([ord("a"), 0]) == "\ufffd"
+
+
+# -- the real server -------------------------------------------------------------------------------
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert server.health() == {"status": "ok", "model": MODEL, "waiting": 0, "busy": False}
+
+
+def test_chat_completion_is_greedy_ar_text(server, reference):
+    text, tokens, n_prompt = reference(CHAT, 12)
+    r = chat(server.client(), CHAT, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if len(tokens) < 12 else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(tokens))
+    assert r.usage.total_tokens == n_prompt + len(tokens)
+    assert r.usage.model_extra["tau"] >= 1.0
+    assert r.model_extra["spechead"]["head"] == "full"
+
+
+def test_stream_deltas_equal_non_streamed_text(server, reference):
+    text, tokens, n_prompt = reference(CHAT, 12)
+    client = server.client()
+    plain = chat(client, CHAT, max_tokens=12, temperature=0).choices[0].message.content
+    chunks = list(chat(client, CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed, finish, usage = stream_text(chunks)
+    assert streamed == plain == text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # really incremental
+    assert finish == ("stop" if len(tokens) < 12 else "length")
+    assert usage["completion_tokens"] == len(tokens) and usage["prompt_tokens"] == n_prompt
+    assert usage["tau"] >= 1.0
+
+
+def test_completions_endpoint_raw_prompt(server, reference):
+    prompt = "The capital of France is"
+    text, tokens, n_prompt = reference(prompt, 8, raw=True)
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == text and r.usage.prompt_tokens == n_prompt
+    streamed, finish, _ = stream_text(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    )
+    assert streamed == text and finish == r.choices[0].finish_reason
+
+
+def test_stop_sequences(server, reference):
+    text, _, _ = reference(CHAT, 12)
+    k = len(text) // 2
+    stop = text[k : k + 4]  # likely spans a token boundary
+    first = text.find(stop)
+    client = server.client()
+    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == text[:first] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 12  # generation really ended early
+    streamed, finish, _ = stream_text(chat(client, CHAT, max_tokens=12, temperature=0, stop=stop, stream=True))
+    assert (streamed, finish) == (text[:first], "stop")
+    early = text[2:5]  # of two stop strings the earliest occurrence wins
+    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=[stop, early])
+    assert r.choices[0].message.content == text[: text.find(early)]
+    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=["\u2603never"])
+    assert r.choices[0].message.content == text
+
+
+def test_head_selection_and_seeded_sampling(server, reference):
+    text, _, _ = reference(CHAT, 4)
+    client = server.client()
+    for extra in ({"spechead": {"head": "full"}}, {"head": "full"}):
+        r = chat(client, CHAT, max_tokens=4, temperature=0, extra_body=extra)
+        assert r.choices[0].message.content == text and r.model_extra["spechead"]["head"] == "full"
+    kw = dict(max_tokens=6, temperature=1.0, top_p=0.95, seed=1234)
+    a, b = (chat(client, "Tell me a story.", **kw).choices[0].message.content for _ in range(2))
+    assert a == b and a
+
+
+def test_errors_in_openai_format(server):
+    client, http = server.client(), server.http
+    r = http.post("/v1/chat/completions", content=b'{"model": "x", ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "malformed JSON" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json=[1, 2]).status_code == 400
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [
+        dict(max_tokens="ten"),
+        dict(max_tokens=0),
+        dict(temperature=3.0),
+        dict(temperature=True),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(stop=5),
+        dict(stop=[""]),
+        dict(seed="x"),
+        dict(n=2),
+        dict(stream="yes"),
+        dict(extra_body={"head": "nope"}),
+        dict(extra_body={"spechead": "full"}),
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=msgs, **kw)
+        assert e.value.body["type"] == "invalid_request_error", kw
+    for messages in ([], "hi", [{"content": "no role"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", messages
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=msgs)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * MAX_LEN, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[10**9], max_tokens=4)
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert server.health()["status"] == "ok"
+
+
+def test_full_queue_answers_503_in_order_and_a_dropped_stream_frees_the_decoder(server, reference):
+    """One long stream decodes, QUEUE requests wait, the next is refused; closing the stream lets the
+    queued ones run, in arrival order."""
+    client = server.client()
+    tokens0 = server.metric("spechead_generation_tokens_total")
+    cancelled0 = server.metric("spechead_requests_cancelled_total")
+    long = chat(client, "Write a long essay about the history of Rome.", max_tokens=400, temperature=0, stream=True)
+    wait_until(lambda: server.health()["busy"], "the long request to start")
+    done: dict[str, tuple[int, str]] = {}
+
+    def ask(prompt: str) -> None:
+        r = chat(server.client(), prompt, max_tokens=2, temperature=0)
+        done[prompt] = r.model_extra["spechead"]["seq"], r.choices[0].message.content
+
+    threads = []
+    for i, prompt in enumerate(LOAD_PROMPTS[:QUEUE]):
+        threads.append(threading.Thread(target=ask, args=(prompt,)))
+        threads[-1].start()
+        wait_until(lambda i=i: server.health()["waiting"] == i + 1, "a request to queue")
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(client, "one too many", max_tokens=2, temperature=0)
+    assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    long.close()  # the client goes away mid-stream
+    for t in threads:
+        t.join(120)
+    assert [done[p][1] for p in LOAD_PROMPTS[:QUEUE]] == [reference(p, 2)[0] for p in LOAD_PROMPTS[:QUEUE]]
+    seqs = [done[p][0] for p in LOAD_PROMPTS[:QUEUE]]
+    assert seqs == list(range(seqs[0], seqs[0] + QUEUE))  # taken up in arrival order, right after the long one
+    wait_until(lambda: not server.health()["busy"], "the server to go idle")
+    assert server.metric("spechead_requests_cancelled_total") == cancelled0 + 1
+    assert server.metric("spechead_generation_tokens_total") - tokens0 < 400  # the long one was stopped
+
+
+def test_metrics_exposed(server):
+    text = server.http.get("/metrics").text
+    for name in (
+        "spechead_requests_total",
+        "spechead_prompt_tokens_total",
+        "spechead_generation_tokens_total",
+        "spechead_tokens_per_second",
+        'spechead_tau{head="full"}',
+        "spechead_queue_waiting",
+        "spechead_request_seconds_bucket",
+    ):
+        assert name in text, name
+    assert server.metric("spechead_generation_tokens_total") > 0
+    assert 'status="503"' in text and 'status="400"' in text
+
+
+def test_time_limit(demo_session):
+    """An in-process server with a 1 ms limit: every request overruns it (prefill alone takes longer)."""
+    import uvicorn
+
+    from spechead.pipeline import resolve_drafter
+    from spechead.server import Engine, create_app
+
+    engine = Engine(demo_session, resolve_drafter("random", demo_session.target), timeout=0.001)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: srv.started, "the in-process server")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(client, CHAT, max_tokens=24, temperature=0)
+        assert e.value.status_code == 504 and e.value.body["type"] == "timeout_error"
+        with pytest.raises(openai.APIError, match="time limit"):
+            stream_text(chat(client, CHAT, max_tokens=24, temperature=0, stream=True))
+        wait_until(lambda: not engine.busy, "the decoder to stop")
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        engine.close()
+
+
+def test_load_32_requests_8_clients(server, reference):
+    """32 requests from 8 concurrent clients (non-streamed, streamed, and streams dropped after two
+    deltas): every completed answer is the greedy AR text, every refusal is a 503, memory comes back
+    and the server still answers. Prints throughput and latency percentiles."""
+    n_tokens, modes = 10, ["json", "stream", "drop", "json"]
+    refs = {p: reference(p, n_tokens)[0] for p in LOAD_PROMPTS}
+    warm = server.client()  # warm both paths before the memory baseline
+    chat(warm, LOAD_PROMPTS[0], max_tokens=4, temperature=0)
+    stream_text(chat(warm, LOAD_PROMPTS[1], max_tokens=4, temperature=0, stream=True))
+    wait_until(lambda: not server.health()["busy"], "idle")
+    rss0 = server.rss_mib()
+    results, lock = [], threading.Lock()
+
+    def run_client(c: int) -> None:
+        client = server.client()
+        for r in range(4):
+            prompt, mode = LOAD_PROMPTS[(c + r) % 4], modes[(c + 3 * r) % 4]
+            t0 = time.perf_counter()
+            text, outcome = None, "ok"
+            try:
+                if mode == "json":
+                    text = chat(client, prompt, max_tokens=n_tokens, temperature=0).choices[0].message.content
+                elif mode == "stream":
+                    text = stream_text(chat(client, prompt, max_tokens=n_tokens, temperature=0, stream=True))[0]
+                else:
+                    stream, seen = chat(client, prompt, max_tokens=n_tokens, temperature=0, stream=True), 0
+                    for chunk in stream:
+                        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+                        if seen == 2:
+                            break
+                    stream.close()
+                    outcome = "dropped"
+            except openai.APIStatusError as e:
+                outcome = f"http {e.status_code}"
+                time.sleep(1.0)  # a polite client backs off (the server's Retry-After is >= 1 s)
+            with lock:
+                results.append((prompt, mode, outcome, text, time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(run_client, range(8)))
+    wall = time.perf_counter() - t0
+
+    assert len(results) == 32
+    outcomes = [o for _, _, o, _, _ in results]
+    assert set(outcomes) <= {"ok", "dropped", "http 503"}, outcomes
+    completed = [(p, t, lat) for p, _, o, t, lat in results if o == "ok"]
+    assert completed and all(t == refs[p] for p, t, _ in completed)
+    wait_until(lambda: server.health() == {"status": "ok", "model": MODEL, "waiting": 0, "busy": False}, "idle")
+    rss1 = server.rss_mib()
+    assert rss1 - rss0 < 64, (rss0, rss1)
+    assert (
+        chat(warm, LOAD_PROMPTS[0], max_tokens=n_tokens, temperature=0).choices[0].message.content
+        == refs[LOAD_PROMPTS[0]]
+    )
+
+    lat = sorted(x for _, _, x in completed)
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, round(q * (len(lat) - 1)))]
+
+    summary = {
+        "requests": 32,
+        "clients": 8,
+        "max_tokens": n_tokens,
+        "completed": len(completed),
+        "dropped": outcomes.count("dropped"),
+        "rejected_503": outcomes.count("http 503"),
+        "wall_s": round(wall, 2),
+        "completed_per_s": round(len(completed) / wall, 3),
+        "latency_s": {"p50": round(pct(0.5), 2), "p90": round(pct(0.9), 2), "p99": round(pct(0.99), 2)},
+        "rss_mib": {"before": round(rss0), "after": round(rss1)},
+    }
+    print("\nload test:", json.dumps(summary))
