@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .heads import DraftHead, register_head, topk_logprobs
+from .heads import DraftHead, register_head
 from .loading import SpecheadError
+from .lowrank import fast_topk_logprobs
 from .vocab import check_token_ids, find_token_map, load_token_map
 
 DEFAULT_SIZE = 32768  # FR-Spec's and SGLang's usual list size
@@ -80,7 +81,7 @@ class SubsetHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            logp, idx = topk_logprobs(F.linear(h.to(self.packed.dtype), self.packed), k)
+            logp, idx = fast_topk_logprobs(F.linear(h.to(self.packed.dtype), self.packed), k)
             return logp, self.ids[idx]
 
     def stats(self) -> dict[str, float]:

@@ -7,7 +7,15 @@ from spechead.drafter import random_drafter
 from spechead.engine import Decoder
 from spechead.heads import make_head
 from spechead.loading import SpecheadError, load_target
-from spechead.lowrank import LowRankHead, LowRankLinear, LowRankScorer, svd_factors, truncate_factors
+from spechead.lowrank import (
+    LowRankHead,
+    LowRankLinear,
+    LowRankScorer,
+    fast_topk,
+    fast_topk_logprobs,
+    svd_factors,
+    truncate_factors,
+)
 from spechead.tree import TreeConfig
 
 
@@ -145,3 +153,18 @@ def test_greedy_output_equals_autoregressive(tiny_small_vocab_dir, arch):
         got = [dec.generate(p, 30) for p in prompts]
         assert [r.tokens for r in got] == want
         assert max(max(r.accept_lengths) for r in got) >= 2
+
+
+@pytest.mark.parametrize("V, k", [(128 * 40, 10), (128 * 40, 1), (128 * 5, 5), (1000, 10), (128 * 3, 4)])
+def test_fast_topk_is_exact(V, k):
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(6, V, generator=g)
+    x[0, :256] = 5.0  # the best values crowded into two chunks
+    x[1, ::128] = 4.0  # one per chunk
+    vals, idx = fast_topk(x, k)
+    want = x.topk(k, dim=-1)
+    assert torch.equal(vals, want.values)
+    assert torch.equal(x.gather(1, idx), vals)  # indices point at those values (ties may pick others)
+    assert torch.equal(idx[2:], want.indices[2:])  # distinct values: the same indices
+    logp, i2 = fast_topk_logprobs(x, k)
+    torch.testing.assert_close(logp, x.log_softmax(-1).gather(1, i2))

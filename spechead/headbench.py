@@ -1,0 +1,421 @@
+"""``spechead bench-heads``: every draft head at a real model's (d, V), random weights, one run.
+
+Per head and batch (rows per ``topk`` call; EAGLE-2's tree expands top_k = 10 nodes per call):
+median ms per call, the bytes the call must move, the floor those bytes set at the machine's
+measured copy bandwidth, the achieved bandwidth and the speed ratio against the full head.
+
+How it measures, and why:
+- Cold cache by default: between two draft calls the drafter's backbone layer streams hundreds of MB,
+  which evicts a small head from the last-level cache; so a buffer twice the LLC is read before every
+  timed call (not timed). ``--hot`` skips that.
+- NanoSpec and the hybrid head are timed by *rounds*: ``observe`` (the Ext update: top-k over the
+  tree's target logits, new ids, their rows gathered) plus ``calls_per_round`` draft calls, divided by
+  the calls. The set is kept full at W_max with LRU eviction and ``new_per_round`` fresh ids a round,
+  so every round pays a real gather.
+- Heads are interleaved within each repeat (noise from other processes hits all of them alike),
+  after one warm-up round each.
+
+Bytes model (e = element size of the dtype): full V*d*e + B*V*e (logits); subset N*d*e + B*N*e;
+low-rank (r*d + V*r)*e + B*V*e; NanoSpec W*d*e + B*W*e per call, plus per round 2*new*d*e (gather
+read + write) and the tree's target logits it reads (nodes*V*e); the hybrid adds, on its escape
+calls, the low-rank scorer's bytes and B*m*d*e for the escape rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .heads import DraftHead, FullHead
+from .loading import SpecheadError
+from .lowrank import LowRankHead, LowRankLinear, default_rank
+from .subset_heads import FrequencyHead, VocabTrimHead
+
+SHAPES = {  # (d, V) of the paper's targets, and the demo
+    "llama3.1-8b": (4096, 128256),
+    "llama3.2-1b": (2048, 128256),
+    "qwen3-8b": (4096, 151936),
+    "demo": (576, 49152),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+# -- the machine ---------------------------------------------------------------------------------
+def llc_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    except (OSError, ValueError):
+        return 64 * 2**20
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> dict[str, float]:
+    """GB/s of a large tensor copy (bytes read + bytes written) and of a read-only reduction."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t_copy = median_ms(lambda: dst.copy_(src), repeats)
+    t_read = median_ms(lambda: src.sum(), repeats)
+    return {"copy_GBps": 2 * nbytes / t_copy / 1e6, "read_GBps": nbytes / t_read / 1e6, "buffer_MB": nbytes / 2**20}
+
+
+class Flusher:
+    """Evicts the caches by reading a buffer twice the last-level cache (a no-op with ``hot``)."""
+
+    def __init__(self, hot: bool) -> None:
+        self.buf = None if hot else torch.ones(min(2 * llc_bytes(), 2**30) // 4)
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.sum()
+
+
+# -- heads under test ----------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    spec: str
+    head: DraftHead
+    per_round: bool = False  # stateful head: timed by rounds of observe + calls
+    note: str = ""
+    timings: dict[int, list[float]] = field(default_factory=dict)
+
+
+def build_cases(W: Tensor, d: int, V: int, args, gen: torch.Generator) -> tuple[list[Case], dict[str, str]]:
+    """The heads of the issue at this shape. Static subsets use random ids (cost does not depend on which)."""
+    cases, skipped = [Case("full", "full", FullHead(W, None, V))], {}
+    n_sub = min(args.subset, V)
+    ids = torch.randperm(V, generator=gen)[:n_sub]
+    cases.append(Case(f"fr:{n_sub}", f"fr:{n_sub}", FrequencyHead(W, None, V, ids)))
+    cases.append(Case(f"vocabtrim:{n_sub}", f"vocabtrim:{n_sub}", VocabTrimHead(W, None, V, ids)))
+    r = args.rank or default_rank(d)
+    # random factors: an SVD of a random [V, d] matrix costs minutes here and does not change the cost
+    lr = LowRankLinear.from_random(d, V, r, generator=gen, dtype=W.dtype)
+    cases.append(Case(f"lowrank:{r}", f"lowrank:{r}", LowRankHead(lr, None, V)))
+    try:
+        from . import nanospec
+    except ImportError as e:
+        skipped["nanospec"] = skipped["hybrid"] = f"spechead.nanospec not available ({e})"
+        return cases, skipped
+    w_max = min(args.w_max, V)
+    try:
+        head = nanospec.NanoSpecHead(W, None, V, w_max=w_max, policy="lru", gather="sync")
+        cases.append(Case(f"nanospec:{w_max}", f"nanospec:{w_max}", head, per_round=True, note="LRU-full steady state"))
+    except (TypeError, SpecheadError) as e:
+        skipped["nanospec"] = f"cannot build NanoSpecHead: {e}"
+    hybrid = getattr(nanospec, "HybridHead", None)
+    if hybrid is None:
+        skipped["hybrid"] = "spechead.nanospec has no HybridHead yet"
+    else:
+        try:
+            head = hybrid(
+                W, None, V, w_max=w_max, rank=r, policy="lru", gather="sync", factors=(lr.up.weight, lr.down.weight)
+            )
+            cases.append(Case(f"hybrid:{w_max}", f"hybrid:{w_max}:rank={r}", head, per_round=True))
+        except (TypeError, SpecheadError) as e:
+            skipped["hybrid"] = f"cannot build HybridHead: {e}"
+    return cases, skipped
+
+
+class RoundFeeder:
+    """Inputs for NanoSpec-style rounds: a prompt that fills the set, then per round a tree whose nodes'
+    target top-3 hold ``new`` fresh ids and a fixed pool of known ids. The pool is hit every round,
+    so LRU never evicts it and each round gathers exactly ``new`` rows (the steady state)."""
+
+    def __init__(self, V: int, w_max: int, nodes: int, new: int, gen: torch.Generator) -> None:
+        self.V, self.nodes, self.new, self.gen = V, nodes, new, gen
+        self.perm = torch.randperm(V, generator=gen)
+        self.prompt = self.perm[:w_max]  # exactly fills the set (its logits are left out)
+        self.pool = self.prompt[: min(3 * nodes - new, w_max)]
+        self.cursor = w_max
+
+    def fresh(self, n: int) -> Tensor:
+        if self.cursor + n > self.V:
+            self.cursor = self.prompt.numel()
+        out = self.perm[self.cursor : self.cursor + n]
+        self.cursor += n
+        return out
+
+    def round(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, list[int]]:
+        known = self.pool[torch.randperm(self.pool.numel(), generator=self.gen)]
+        picks = torch.cat([self.fresh(self.new), known])
+        short = 3 * self.nodes - picks.numel()  # > 0 only when W_max is smaller than the pool wanted
+        picks = torch.cat([picks, known.repeat(-(-short // max(known.numel(), 1)))[:short]])
+        top = picks.view(3, self.nodes).T  # fresh ids spread over the nodes' top-1 first
+        logits = torch.zeros(self.nodes, self.V, dtype=dtype)
+        logits.scatter_(1, top, torch.tensor([3.0, 2.0, 1.0], dtype=dtype).expand(self.nodes, 3))
+        tree = top[:, 0].clone()
+        return tree, logits, tree[:3].tolist()
+
+
+def bytes_per_call(case: Case, B: int, d: int, V: int, e: int, args) -> int:
+    h = case.head
+    if isinstance(h, FullHead):
+        return V * d * e + B * V * e
+    if isinstance(h, (FrequencyHead, VocabTrimHead)):
+        return h.size * d * e + B * h.size * e
+    if isinstance(h, LowRankHead):
+        r = h.scorer.rank
+        return (r * d + V * r) * e + B * V * e
+    # NanoSpec-style: per call W rows, per round the gather and the tree logits read by observe
+    n, calls = h.w_max, args.calls_per_round
+    per_round = calls * (n * d * e + B * n * e) + 2 * args.new_per_round * d * e + args.nodes * V * e
+    if hasattr(h, "escape_calls"):
+        r, m = h.rank, h.m
+        per_round += min(h.escape_calls, calls) * ((r * d + V * r) * e + B * V * e + B * m * d * e)
+    return per_round // calls
+
+
+def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args, feeder: RoundFeeder | None) -> float:
+    """Milliseconds per draft call for one repeat (cold caches before every call unless --hot)."""
+    head = case.head
+    if not case.per_round:
+        flush()
+        t0 = time.perf_counter()
+        head.topk(h, k)
+        return (time.perf_counter() - t0) * 1e3
+    tree, logits, committed = feeder.round(h.dtype)
+    flush()
+    t0 = time.perf_counter()
+    head.observe(tree, logits, committed)
+    total = time.perf_counter() - t0
+    for _ in range(args.calls_per_round):
+        flush()
+        t0 = time.perf_counter()
+        head.topk(h, k)
+        total += time.perf_counter() - t0
+    return total * 1e3 / args.calls_per_round
+
+
+@torch.inference_mode()
+def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Flusher, bw: dict) -> dict:
+    d, V = SHAPES[shape]
+    dtype = DTYPES[dtype_name]
+    e = torch.finfo(dtype).bits // 8
+    gen = torch.Generator().manual_seed(args.seed)
+    W = (torch.randn(V, d, generator=gen) * 0.02).to(dtype)
+    cases, skipped = build_cases(W, d, V, args, gen)
+    feeder = None
+    for c in cases:
+        if c.per_round:
+            feeder = feeder or RoundFeeder(V, c.head.w_max, args.nodes, args.new_per_round, gen)
+            c.head.begin(feeder.prompt, None)
+    for c in cases:
+        c.timings = {B: [] for B in batches}
+    evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.per_round}
+    for B in batches:
+        h = torch.randn(B, d, generator=gen).to(dtype)
+        for c in cases:  # warm-up
+            time_case(c, h, args.k, flush, args, feeder)
+        for _ in range(args.repeats):
+            for c in cases:
+                c.timings[B].append(time_case(c, h, args.k, flush, args, feeder))
+    gbps = bw["copy_GBps"]
+    out = {"d": d, "V": V, "dtype": dtype_name, "heads": {}, "skipped": skipped}
+    full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
+    for c in cases:
+        rows = {}
+        for B in batches:
+            ms = statistics.median(c.timings[B])
+            nbytes = bytes_per_call(c, B, d, V, e, args)
+            floor = nbytes / gbps / 1e6
+            rows[str(B)] = {
+                "ms": round(ms, 3),
+                "ms_min": round(min(c.timings[B]), 3),
+                "bytes": nbytes,
+                "floor_ms": round(floor, 3),
+                "x_floor": round(ms / floor, 2),
+                "achieved_GBps": round(nbytes / ms / 1e6, 2),
+                "speedup_vs_full": round(full_ms[B] / ms, 2),
+                "bytes_ratio_vs_full": round(bytes_per_call(cases[0], B, d, V, e, args) / nbytes, 2),
+            }
+        out["heads"][c.name] = {"spec": c.spec, "note": c.note, "batches": rows}
+        stats = c.head.stats()
+        for key in ("active_size", "rank"):
+            if key in stats:
+                out["heads"][c.name][key] = stats[key]
+        if c.per_round and "evicted" in stats:  # the steady state really gathered new rows every round
+            rounds = len(batches) * (args.repeats + 1)
+            out["heads"][c.name]["gathered_per_round"] = (stats["evicted"] - evicted0[c.name]) / rounds
+    return out
+
+
+# -- the GEMM itself: which PyTorch call gets closest to the floor on this CPU -------------------
+@torch.inference_mode()
+def gemm_variants(d: int, n: int, batches: list[int], dtype: torch.dtype, args, flush: Flusher, bw: dict) -> dict:
+    """Candidate ways to compute h @ W.T for W [n, d], each timed cold (median of repeats)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    W = (torch.randn(n, d, generator=gen) * 0.02).to(dtype)
+    Wt = W.T.contiguous()
+    e = W.element_size()
+    out = {"rows": n, "d": d, "dtype": str(dtype).removeprefix("torch."), "batches": {}}
+    for B in batches:
+        h = torch.randn(B, d, generator=gen).to(dtype)
+        variants: dict[str, Callable[[], object]] = {
+            "F.linear(h, W)": lambda h=h: F.linear(h, W),
+            "h @ W.T": lambda h=h: h @ W.T,
+            "torch.matmul(h, W.T)": lambda h=h: torch.matmul(h, W.T),
+            "h @ Wt (packed [d, n])": lambda h=h: h @ Wt,
+            "(W @ h.T).T": lambda h=h: (W @ h.T).T,
+        }
+        if dtype != torch.float32:
+            variants["F.linear fp32 acc (h, W upcast per call)"] = lambda h=h: F.linear(h.float(), W.float())
+        try:  # oneDNN's prepacked weight, what torch.compile's CPU freezing uses
+            Wp = torch.ops.mkldnn._reorder_linear_weight(W, B)
+            variants["mkldnn prepacked linear"] = lambda h=h, Wp=Wp: torch.ops.mkldnn._linear_pointwise(
+                h, Wp, None, "none", [], ""
+            )
+        except (RuntimeError, AttributeError) as ex:
+            out.setdefault("unavailable", {})["mkldnn prepacked linear"] = str(ex).splitlines()[0][:200]
+        res = {}
+        floor = (n * d * e + B * n * e) / bw["copy_GBps"] / 1e6
+        for name, fn in variants.items():
+            fn()
+            ts = []
+            for _ in range(args.repeats):
+                flush()
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(ts)
+            res[name] = {
+                "ms": round(ms, 3),
+                "x_floor": round(ms / floor, 2),
+                "GFLOPs": round(2 * B * n * d / ms / 1e6, 1),
+            }
+        out["batches"][str(B)] = {"floor_ms": round(floor, 3), "variants": res}
+    return out
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+def _ints(spec: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SpecheadError(f"{what} must be comma-separated integers, got {spec!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise SpecheadError(f"{what} must be positive integers, got {spec!r}")
+    return vals
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}")
+    print(f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'GB/s':>8}{'vs full':>9}{'bytes x':>9}")
+    for name, hres in res["heads"].items():
+        for B, r in hres["batches"].items():
+            print(
+                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}"
+                f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}{r['bytes_ratio_vs_full']:>9.2f}"
+            )
+    for name, why in res["skipped"].items():
+        print(f"{name:<18} skipped: {why}")
+
+
+def cmd_bench_heads(args) -> int:
+    shapes = [s for s in args.shape.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            raise SpecheadError(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
+    if args.dtype not in DTYPES:
+        raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPES)}")
+    batches = _ints(args.batch, "--batch")
+    if args.repeats < 1 or args.calls_per_round < 1 or args.new_per_round < 0 or args.nodes < 1:
+        raise SpecheadError("--repeats, --calls-per-round and --nodes must be >= 1, --new-per-round >= 0")
+    if args.new_per_round > 3 * args.nodes:
+        raise SpecheadError("--new-per-round cannot exceed 3 x --nodes (new ids enter through the nodes' top-3)")
+    flush = Flusher(args.hot)
+    bw = copy_bandwidth()
+    load0 = os.getloadavg()
+    report = {
+        "config": {
+            "command": "spechead " + " ".join(sys.argv[1:]),
+            "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "llc_MB": llc_bytes() / 2**20,
+            "torch": torch.__version__,
+            "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
+            "repeats": args.repeats,
+            "k": args.k,
+            "calls_per_round": args.calls_per_round,
+            "new_per_round": args.new_per_round,
+            "tree_nodes": args.nodes,
+            "loadavg_start": [round(x, 2) for x in load0],
+        },
+        "machine": {k: round(v, 2) for k, v in bw.items()},
+        "shapes": {},
+    }
+    print(f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads")
+    for s in shapes:
+        res = bench_shape(s, batches, args.dtype, args, flush, bw)
+        res["shape"] = s
+        report["shapes"][s] = res
+        print_table(res)
+        if args.gemm_variants:
+            d, V = SHAPES[s]
+            report["shapes"][s]["gemm_variants"] = gv = gemm_variants(
+                d, min(args.gemm_rows, V), batches, DTYPES[args.dtype], args, flush, bw
+            )
+            for B, row in gv["batches"].items():
+                print(f"  GEMM [{gv['rows']}, {d}] batch {B} (floor {row['floor_ms']:.2f} ms):")
+                for name, r in row["variants"].items():
+                    print(f"    {name:<42}{r['ms']:>9.2f} ms {r['x_floor']:>7.2f}x floor {r['GFLOPs']:>7.1f} GFLOP/s")
+    report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-heads", help="time every draft head at a real model's shape (random weights)")
+    p.add_argument("--shape", default="llama3.1-8b", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
+    p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--k", type=int, default=10, help="top-k per call")
+    p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
+    p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
+    p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
+    p.add_argument("--calls-per-round", type=int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)")
+    p.add_argument("--new-per-round", type=int, default=16, help="fresh ids gathered into NanoSpec's set per round")
+    p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
+    p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
+    p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
+    p.add_argument("--gemm-rows", type=int, default=32768, help="rows of the matrix for --gemm-variants")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.set_defaults(func=cmd_bench_heads)

@@ -1,0 +1,52 @@
+"""``spechead bench-heads``: the report's structure and arithmetic (never its timings)."""
+
+import json
+
+import pytest
+
+from spechead.cli import main
+from spechead.headbench import SHAPES
+
+
+def test_bench_heads_report(tmp_path):
+    out = tmp_path / "heads.json"
+    args = ["--shape", "demo", "--batch", "1,3", "--repeats", "1", "--hot", "--json", str(out)]
+    small_rounds = ["--calls-per-round", "2", "--nodes", "4", "--new-per-round", "5", "--threads", "1"]
+    assert main(["bench-heads", *args, *small_rounds]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["threads"] == 1 and rep["machine"]["copy_GBps"] > 0
+    res = rep["shapes"]["demo"]
+    d, V = SHAPES["demo"]
+    assert (res["d"], res["V"]) == (d, V)
+    heads = res["heads"]
+    expected = {"full", "fr:32768", "vocabtrim:32768", "lowrank:72", "nanospec:3072", "hybrid:3072"}
+    assert expected - set(heads) <= set(res["skipped"])  # NanoSpec/hybrid only skipped with a reason
+    for B in (1, 3):
+        b = str(B)
+        assert heads["full"]["batches"][b]["bytes"] == V * d * 2 + B * V * 2
+        assert heads["full"]["batches"][b]["speedup_vs_full"] == 1.0
+        assert heads["fr:32768"]["batches"][b]["bytes"] == 32768 * d * 2 + B * 32768 * 2
+        assert heads["lowrank:72"]["batches"][b]["bytes"] == (72 * d + V * 72) * 2 + B * V * 2
+        for h in heads.values():
+            r = h["batches"][b]
+            assert r["floor_ms"] == pytest.approx(r["bytes"] / rep["machine"]["copy_GBps"] / 1e6, rel=0.01, abs=2e-3)
+            assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"], rel=0.02, abs=0.01)
+    if "nanospec:3072" in heads:
+        # the steady state is real: every round gathered exactly the fresh ids the tree brought
+        assert heads["nanospec:3072"]["gathered_per_round"] == 5
+        assert heads["nanospec:3072"]["active_size"] == 3072
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--shape", "gpt5"], "unknown shape 'gpt5'"),
+        (["--batch", "0"], "--batch must be positive"),
+        (["--batch", "a"], "--batch must be comma-separated integers"),
+        (["--dtype", "int3"], "unknown dtype"),
+        (["--nodes", "2", "--new-per-round", "7"], "cannot exceed 3 x --nodes"),
+    ],
+)
+def test_bench_heads_bad_input(extra, match, capsys):
+    assert main(["bench-heads", "--shape", "demo", *extra]) == 2
+    assert match in capsys.readouterr().err
