@@ -5,6 +5,8 @@ layer without input norm, no final norm; logits come from the *target's* LM head
 layer output. EAGLE-3 (``cnets`` layout): ``fc`` over three fused target layers (3d -> d), a
 ``midlayer`` whose attention reads [input_layernorm(embedding), hidden_norm(h)] (2d), its own
 ``norm`` and ``lm_head``, and optionally a reduced draft vocabulary mapped to target ids by ``d2t``.
+An EAGLE-3 drafter may instead carry a SlimSpec low-rank head (config ``lm_head_rank``, tensors
+``lm_head.down.weight`` [r, d] and ``lm_head.up.weight`` [V, r], TorchSpec's layout).
 
 Both share the target's token embedding (never trained, never needed in the checkpoint). The
 published checkpoints are ``config.json`` + ``pytorch_model.bin``; we write ``model.safetensors``
@@ -154,9 +156,14 @@ class Eagle3Drafter(Drafter):
         self.midlayer.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         # A head tied to the target's is not stored (it is the target's own tensor).
-        self.tied_head = lm_head is not None
+        rank = cfg.extra.get("lm_head_rank")
+        self.tied_head = lm_head is not None and not rank
         if self.tied_head:
             self._tied = [lm_head]
+        elif rank:
+            from .lowrank import LowRankLinear
+
+            self.lm_head = LowRankLinear(d, self.draft_vocab_size, int(rank))
         else:
             self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         if self.draft_vocab_size != cfg.vocab_size:
@@ -184,8 +191,15 @@ class Eagle3Drafter(Drafter):
     def head_input(self, h: Tensor) -> Tensor:
         return self.norm(h)
 
+    @property
+    def low_rank_head(self):
+        """The trained ``LowRankLinear`` head, or None for a full head."""
+        return None if self.tied_head or isinstance(self.lm_head, nn.Linear) else self.lm_head
+
     def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
-        w = self._tied[0] if self.tied_head else self.lm_head.weight
+        """For a low-rank head this is the dense product (exact same logits; ``Session.decoder`` uses the factors)."""
+        lr = self.low_rank_head
+        w = self._tied[0] if self.tied_head else lr.dense() if lr is not None else self.lm_head.weight
         if self.draft_vocab_size == self.config.vocab_size:
             return w, None
         return w, self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
@@ -193,6 +207,10 @@ class Eagle3Drafter(Drafter):
     def draft_config(self) -> dict[str, Any]:
         cfg = super().draft_config()
         cfg["tie_lm_head_to_target"] = self.tied_head
+        if self.low_rank_head is not None:
+            cfg["lm_head_rank"] = self.low_rank_head.rank
+        else:
+            cfg.pop("lm_head_rank", None)
         return cfg
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
@@ -231,6 +249,9 @@ def build_drafter(arch: str, cfg_dict: dict[str, Any], target: Transformer) -> D
     embed = target.model.embed_tokens
     if arch == "eagle3":
         tied = cfg_dict.get("tie_lm_head_to_target", False)
+        rank = cfg_dict.get("lm_head_rank")
+        if rank is not None and (not isinstance(rank, int) or not 0 < rank < cfg.hidden_size):
+            raise SpecheadError(f"drafter lm_head_rank must be an integer in [1, {cfg.hidden_size - 1}], got {rank!r}")
         return Eagle3Drafter(cfg, embed, target.lm_head.weight if tied else None)
     if arch not in ARCHS:
         raise SpecheadError(f"unknown drafter architecture {arch!r}; expected one of {sorted(ARCHS)}")

@@ -1,0 +1,132 @@
+"""Training data: chat templating with assistant-only loss masks, raw text, gen-data, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import write_tiny_llama
+
+from spechead.data import encode_chat_example, generate_data, load_examples, read_jsonl
+from spechead.loading import SpecheadError, load_tokenizer
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:'-+=")
+TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_chat_tokenizer(folder, vocab_size: int = 64, template: bool = True):
+    """A character-level fast tokenizer with a ChatML template, sized for the tiny test models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<s>", "<|im_end|>", "<|im_start|>", "<unk>"])}
+    for c in CHARS[: vocab_size - len(vocab)]:
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    if template:
+        fast.chat_template = TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    folder = write_tiny_llama(tmp_path_factory.mktemp("chat_tiny"))
+    return write_chat_tokenizer(folder)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(chat_target):
+    tok = load_tokenizer(chat_target)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "yes ok"},
+        {"role": "user", "content": "and then"},
+        {"role": "assistant", "content": "no more"},
+    ]
+    ids, mask = encode_chat_example(tok, msgs)
+    assert tok.decode(ids) == tok.decode(tok(tok.apply_chat_template(msgs, tokenize=False))["input_ids"])
+    # Contiguous masked runs, each one assistant reply followed by its terminator.
+    runs, cur = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    texts = [tok.decode(r).replace(" ", "") for r in runs]  # the char tokenizer decodes with spaces
+    assert texts == ["yesok<|im_end|>\n", "nomore<|im_end|>\n"]
+    user_tokens = [i for i, m in zip(ids, mask, strict=True) if not m]
+    assert "hithere" in tok.decode(user_tokens).replace(" ", "")
+
+
+def test_raw_text_trains_on_every_token_but_the_first(chat_target, tmp_path):
+    tok = load_tokenizer(chat_target)
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": "abc def ghi jkl"}])
+    (ex,) = load_examples(tok, [f], max_len=64)
+    assert ex.mask[0] is False and all(ex.mask[1:])
+    assert len(ex.ids) == len("abc def ghi jkl") + 1  # bos + one token per character
+
+
+def test_long_text_is_windowed_and_chat_truncated(chat_target, tmp_path):
+    tok = load_tokenizer(chat_target)
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": "a" * 100}])
+    exs = load_examples(tok, [f], max_len=32)
+    assert sorted(len(e.ids) for e in exs) == [32, 32, 32]  # the 5-token tail has too few targets
+
+
+def test_bad_data_gives_clear_errors(chat_target, tmp_path):
+    tok = load_tokenizer(chat_target)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SpecheadError, match="no records"):
+        list(read_jsonl(empty))
+    no_reply = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
+    with pytest.raises(SpecheadError, match="no record has an assistant turn"):
+        load_examples(tok, [no_reply])
+    with pytest.raises(SpecheadError, match="no assistant turn"):
+        encode_chat_example(tok, [{"role": "user", "content": "hello"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [\n')
+    with pytest.raises(SpecheadError, match="invalid JSON"):
+        list(read_jsonl(bad))
+    with pytest.raises(SpecheadError, match="not found"):
+        list(read_jsonl(tmp_path / "missing.jsonl"))
+    plain = write_chat_tokenizer(tmp_path / "plain", template=False)
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "assistant", "content": "x"}]}])
+    with pytest.raises(SpecheadError, match="no chat template"):
+        load_examples(load_tokenizer(plain), [chat])
+
+
+def test_gen_data_is_batched_and_resumable(chat_target, tmp_path):
+    turns = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "x"}] for i in range(5)]
+    recs = [{"source": "s", "messages": t} for t in turns] + [{"text": "raw text has no prompt"}]
+    src = write_jsonl(tmp_path / "p.jsonl", recs)
+    out = tmp_path / "gen.jsonl"
+    assert generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=4, stop_after=3) == 3
+    first = out.read_text().splitlines()
+    assert generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=4) == 2  # resumes after 3
+    lines = out.read_text().splitlines()
+    assert len(lines) == 5 and lines[:3] == first
+    got = [json.loads(x) for x in lines]
+    assert sorted(r["messages"][0]["content"] for r in got) == [f"question {i}" for i in range(5)]
+    assert all(r["messages"][-1]["role"] == "assistant" and r["source"] == "gen:s" for r in got)
+    assert generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=4) == 0

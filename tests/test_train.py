@@ -1,0 +1,213 @@
+"""Drafter training: the TTT unroll equals inference, SlimSpec SVD init, save/load, resume, two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import write_tiny_llama
+from test_data import write_chat_tokenizer, write_jsonl
+
+from spechead.cli import main as cli_main
+from spechead.data import load_examples
+from spechead.drafter import load_drafter
+from spechead.engine import Decoder
+from spechead.features import extract_features, load_chunk
+from spechead.loading import SpecheadError, load_target, load_tokenizer
+from spechead.lowrank import LowRankHead
+from spechead.model import Rotary
+from spechead.train import (
+    ChunkCache,
+    TrainConfig,
+    evaluate,
+    make_batch,
+    make_drafter,
+    plan_packs,
+    run_ttt,
+    split_packs,
+    train,
+)
+from spechead.tree import TreeConfig
+
+WORDS = ["the cat sat", "on the mat", "a dog ran", "to the park", "i like tea", "we go home"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny chat target, a small chat data file and its cached features (with EAGLE-3 states)."""
+    root = tmp_path_factory.mktemp("train")
+    folder = write_chat_tokenizer(write_tiny_llama(root / "target"))
+    g = torch.Generator().manual_seed(0)
+
+    def phrase(n):
+        return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g))
+
+    recs = [
+        {"messages": [{"role": "user", "content": phrase(2)}, {"role": "assistant", "content": phrase(4)}]}
+        for _ in range(40)
+    ]
+    data = write_jsonl(root / "chat.jsonl", recs)
+    target, _ = load_target(str(folder))
+    target.setup_cache(512)
+    examples = load_examples(load_tokenizer(folder), [data], max_len=128)
+    feats = root / "features"
+    total = sum(len(e.ids) for e in examples[:20])  # two chunks: the second is held out
+    extract_features(target, examples, feats, True, chunk_tokens=total, pack_tokens=512, progress=False)
+    return folder, target, data, feats
+
+
+def _held_out(target, feats, cfg, drafter, teacher=None):
+    paths = sorted(feats.glob("chunk_*.pt"))
+    meta = json.loads((feats / "meta.json").read_text())
+    _, held = split_packs(plan_packs(meta["lengths"], cfg.pack_tokens), len(paths), cfg.eval_packs)
+    return evaluate(_fresh(drafter), target, ChunkCache(paths), held, cfg, teacher)
+
+
+def _fresh(drafter):
+    drafter.rotary = Rotary(drafter.config.head_dim, 512, drafter.config.rope_theta)
+    drafter.layer.self_attn.cache = None
+    return drafter
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_training_unroll_matches_inference(setup, arch):
+    """Step 0 is the drafter's causal forward; step 1 at index t is tree drafting one level below t."""
+    _, target, _, feats = setup
+    cfg = TrainConfig(arch=arch, steps_ttt=2)
+    drafter, _ = make_drafter(target, cfg)
+    chunk = load_chunk(feats / "chunk_00000.pt")
+    b = make_batch(chunk, 0, 1)  # one example
+    states: list[torch.Tensor] = []
+    with torch.no_grad():
+        run_ttt(_fresh(drafter).eval(), target, b, cfg, torch.Generator().manual_seed(0), states=states)
+    n = b.ids.numel()
+    feat = (b.aux if arch == "eagle3" else b.hidden).float()
+    drafter.setup_cache(n + 4)
+    with torch.no_grad():
+        h0 = drafter(b.ids[1:], feat[: n - 1], 0, torch.arange(n - 1), None)
+        torch.testing.assert_close(states[0][: n - 1], h0, atol=1e-5, rtol=1e-4)
+        for t in (0, 3, n - 4):
+            drafter(b.ids[1 : t + 2], feat[: t + 1], 0, torch.arange(t + 1), None)  # the prefix 0..t
+            h1 = drafter(b.ids[t + 2 : t + 3], h0[t : t + 1], t + 1, torch.tensor([t + 1]), None)
+            torch.testing.assert_close(states[1][t : t + 1], h1, atol=1e-5, rtol=1e-4)
+
+
+def test_svd_init_reproduces_the_full_head_within_the_truncation_error(tmp_path, setup):
+    from spechead.lowrank import LowRankLinear
+
+    folder, target, _, _ = setup
+    full, _ = make_drafter(target, TrainConfig(arch="eagle3"))
+    with torch.no_grad():
+        full.norm.weight.uniform_(0.5, 1.5)
+    full.save(tmp_path / "full", dtype=torch.float32)
+    drafter, teacher = make_drafter(target, TrainConfig(arch="eagle3", head="lowrank:8"), init=str(tmp_path / "full"))
+    head = drafter.low_rank_head
+    assert isinstance(head, LowRankLinear) and head.rank == 8
+    w = target.lm_head.weight.float()
+    torch.testing.assert_close(teacher, w)
+    s = torch.linalg.svdvals(w.double())
+    h = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
+    err = (head(h) - h @ w.T).double().norm(dim=-1)
+    assert bool((err <= s[8] * h.double().norm(dim=-1) * (1 + 1e-4)).all())  # spectral bound
+    frob = (head.dense() - w).double().norm()
+    torch.testing.assert_close(frob, s[8:].pow(2).sum().sqrt(), rtol=1e-4, atol=1e-5)  # Eckart-Young
+    assert float(err.detach().mean()) > 0  # rank 8 < 32 really truncates
+
+
+def test_lowrank_drafter_round_trips_and_stays_lossless(setup, tmp_path):
+    folder, target, _, _ = setup
+    drafter, _ = make_drafter(target, TrainConfig(arch="eagle3", head="lowrank:8", lowrank_init="random"))
+    path = drafter.save(tmp_path / "lr", dtype=torch.float32)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["lm_head_rank"] == 8 and cfg["tie_lm_head_to_target"] is False
+    loaded = load_drafter(path, target)
+    for k, v in drafter.checkpoint_state().items():
+        torch.testing.assert_close(loaded.checkpoint_state()[k], v.float())
+    assert loaded.low_rank_head.up.weight.shape == (64, 8)
+    w, _ = loaded.head_weight(target)
+    torch.testing.assert_close(w, loaded.low_rank_head.dense())
+    ar = Decoder(target, max_len=256)
+    prompt = [0, 5, 9, 11, 7]
+    ref = ar.generate(prompt, 24, speculative=False).tokens
+    head = LowRankHead(loaded.low_rank_head, None, target.config.vocab_size)
+    spec = Decoder(target, loaded, head, TreeConfig(2, 2, 5), 256).generate(prompt, 24)
+    assert spec.tokens == ref
+
+
+def test_training_learns_and_resume_retraces(setup, tmp_path):
+    folder, target, _, feats = setup
+    cfg = TrainConfig(arch="eagle2", max_steps=8, warmup=2, lr=1e-2, pack_tokens=256, save_every=4, ce_weight=1.0)
+    a = train(target, feats, tmp_path / "a", cfg, progress=False)
+    b1 = train(target, feats, tmp_path / "b", cfg, progress=False, stop_after=4)
+    assert b1["steps"] == 4
+    b2 = train(target, feats, tmp_path / "b", cfg, progress=False)
+    assert b2["steps"] == 8
+    sa = load_drafter(tmp_path / "a" / "checkpoint", target).state_dict()
+    sb = load_drafter(tmp_path / "b" / "checkpoint", target).state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=1e-6, rtol=1e-5)
+    assert a["eval"]["positions"] > 0 and len(a["eval"]["top1"]) == 1
+    untrained = _held_out(target, feats, cfg, make_drafter(target, cfg)[0])
+    assert a["eval"]["ce"][0] < untrained["ce"][0]  # it learned something about the target's distribution
+    assert load_drafter(tmp_path / "a", target).arch == "eagle2"  # the bf16 deliverable loads
+
+
+def test_posthoc_lowrank_distillation_trains_only_the_head(setup, tmp_path):
+    folder, target, _, feats = setup
+    base = train(target, feats, tmp_path / "e3", TrainConfig(arch="eagle3", steps_ttt=2, max_steps=2), progress=False)
+    assert base["steps"] == 2
+    cfg = TrainConfig(
+        arch="eagle3",
+        head="lowrank:4",
+        lowrank_init="random",
+        freeze_backbone=True,
+        steps_ttt=2,
+        max_steps=6,
+        warmup=1,
+        lr=2e-2,
+    )
+    m = train(target, feats, tmp_path / "lr", cfg, init=str(tmp_path / "e3" / "checkpoint"), progress=False)
+    before = load_drafter(tmp_path / "e3" / "checkpoint", target).state_dict()
+    after = load_drafter(tmp_path / "lr" / "checkpoint", target)
+    for k, v in after.state_dict().items():
+        if not k.startswith("lm_head."):
+            torch.testing.assert_close(v, before[k])
+    start, teacher = make_drafter(target, cfg, init=str(tmp_path / "e3" / "checkpoint"))
+    assert m["eval"]["ce"][0] < _held_out(target, feats, cfg, start, teacher)["ce"][0]
+
+
+def test_bad_training_input(setup, tmp_path, capsys):
+    folder, target, data, feats = setup
+    with pytest.raises(SpecheadError, match="rank must be"):
+        make_drafter(target, TrainConfig(arch="eagle3", head="lowrank:32"))  # d = 32
+    with pytest.raises(SpecheadError, match="needs --arch eagle3"):
+        make_drafter(target, TrainConfig(arch="eagle2", head="lowrank:4"))
+    with pytest.raises(SpecheadError, match="unknown training head"):
+        make_drafter(target, TrainConfig(arch="eagle3", head="nano"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc = cli_main(["train-drafter", "--target", str(folder), "--data", str(empty), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("spechead: error:") and "no records" in err and "\n" not in err
+
+
+def test_two_process_training_with_accelerate(setup, tmp_path):
+    """``accelerate launch`` with two CPU processes (gloo): gradients are averaged, replicas stay equal."""
+    folder, _, _, feats = setup
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
+    cmd += ["-m", "spechead.cli", "train-drafter", "--target", str(folder), "--features", str(feats)]
+    cmd += ["--out", str(out), "--max-steps", "3", "--pack-tokens", "256", "--quiet", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    sums = [json.loads((out / f"checksum_rank{r}.json").read_text())["param_checksum"] for r in (0, 1)]
+    assert sums[0] == sums[1]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world"] == 2 and metrics["steps"] == 3
+    assert (out / "model.safetensors").is_file()
