@@ -59,7 +59,16 @@ class Session:
         draft_head = None
         if drafter is not None:
             weight, row_ids = drafter.head_weight(self.target)
-            draft_head = make_head(head, weight, row_ids, self.target.config.vocab_size)
+            name, _, arg = head.partition(":")
+            own = getattr(drafter, "low_rank_head", None)
+            if own is not None and name in ("full", "lowrank"):
+                # A drafter trained with a SlimSpec head is decoded with its own factors (lowrank:R re-truncates).
+                from .lowrank import LowRankHead
+
+                rank = int(arg) if arg.isdigit() else None
+                draft_head = LowRankHead(own, row_ids, self.target.config.vocab_size, rank)
+            else:
+                draft_head = make_head(head, weight, row_ids, self.target.config.vocab_size)
         return Decoder(self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids)
 
     def encode(self, turns: list[dict[str, str]] | str) -> list[int]:
