@@ -95,8 +95,13 @@ def extract_features(
     dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
     meta: dict | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> list[Path]:
-    """Write ``chunk_NNNNN.pt`` files of about ``chunk_tokens`` tokens each; existing chunks are kept."""
+    """Write ``chunk_NNNNN.pt`` files of about ``chunk_tokens`` tokens each; existing chunks are kept.
+
+    ``shard`` = (i, n) makes this process extract only chunks i, i+n, ... so that n processes
+    (or machines sharing the folder) split the work.
+    """
     from tqdm import tqdm
 
     if not examples:
@@ -129,7 +134,7 @@ def extract_features(
             raise SpecheadError(f"{out} holds features of other data; choose another --features folder")
     meta_path.write_text(json.dumps(info, indent=2))
     paths = [out / f"chunk_{i:05d}.pt" for i in range(len(chunks))]
-    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    todo = [i for i, p in enumerate(paths) if not p.is_file() and i % shard[1] == shard[0]]
     bar = tqdm(
         total=info["tokens"],
         initial=info["tokens"] - sum(len(e.ids) for i in todo for e in chunks[i]),

@@ -66,6 +66,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     freeze_backbone: bool = False  # post-hoc SlimSpec: only the head trains, distilled from a teacher head
+    all_positions: bool = False  # also train on non-assistant positions (labels are the target's anyway)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -250,7 +251,7 @@ def run_ttt(
         src = idx + 1 + i  # input token index
         tgt = idx + 2 + i  # predicted token index
         tok = b.ids[src.clamp_max(n - 1)]
-        valid = (tgt < b.end) & b.mask[tgt.clamp_max(n - 1)]
+        valid = (tgt < b.end) & (b.mask[tgt.clamp_max(n - 1)] | (cfg.all_positions and drafter.training))
         cos, sin = drafter.rotary(pos0 + i)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
             resid, x = _layer_input(drafter, tok, h)
@@ -557,7 +558,16 @@ def _examples(target_folder: Path, data: list[str], max_len: int, seed: int):
     return load_examples(load_tokenizer(target_folder), data, max_len=max_len, seed=seed)
 
 
-def extract_to(target: str, data: list[str], features: Path, arch: str, max_len: int, seed: int, chunk_tokens: int):
+def extract_to(
+    target: str,
+    data: list[str],
+    features: Path,
+    arch: str,
+    max_len: int,
+    seed: int,
+    chunk_tokens: int,
+    shard: tuple[int, int] = (0, 1),
+):
     from .features import extract_features
     from .loading import load_target
 
@@ -568,14 +578,24 @@ def extract_to(target: str, data: list[str], features: Path, arch: str, max_len:
     examples = _examples(folder, data, max_len, seed)
     model.setup_cache(pack_tokens)
     meta = {"data": data, "max_len": max_len, "seed": seed, "target": target}
-    extract_features(model, examples, features, arch == "eagle3", chunk_tokens, pack_tokens, meta=meta)
+    extract_features(model, examples, features, arch == "eagle3", chunk_tokens, pack_tokens, meta=meta, shard=shard)
     return model
 
 
 def cmd_extract(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    extract_to(args.target, args.data, Path(args.features), args.arch, args.max_len, args.seed, args.chunk_tokens)
+    try:
+        i, n = (int(x) for x in args.shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise SpecheadError(f"--shard wants I/N with 0 <= I < N, got {args.shard!r}") from None
+    if not args.data:
+        raise SpecheadError("extract needs --data FILES")
+    extract_to(
+        args.target, args.data, Path(args.features), args.arch, args.max_len, args.seed, args.chunk_tokens, (i, n)
+    )
     print(f"features in {args.features}")
     return 0
 
@@ -606,6 +626,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every,
         seed=args.seed,
         freeze_backbone=args.freeze_backbone,
+        all_positions=args.loss_on == "all",
     )
     cfg.rank  # validate the head spec before any work  # noqa: B018
     if args.data:
@@ -653,6 +674,7 @@ def add_cli(sub) -> None:
     e = sub.add_parser("extract", help="cache the target features drafters train on")
     common(e)
     e.add_argument("--features", required=True)
+    e.add_argument("--shard", default="0/1", help="I/N: extract every N-th chunk starting at I (parallel workers)")
     e.set_defaults(func=cmd_extract)
 
     t = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 drafter (optionally a SlimSpec head)")
@@ -673,6 +695,12 @@ def add_cli(sub) -> None:
     t.add_argument("--ce-positions", type=int, default=256)
     t.add_argument("--ce-weight", type=float, default=0.1)
     t.add_argument("--noise", type=float, default=0.0)
+    t.add_argument(
+        "--loss-on",
+        default="assistant",
+        choices=["assistant", "all"],
+        help="positions to train on (held-out metrics always use assistant tokens)",
+    )
     t.add_argument("--eval-every", type=int, default=0)
     t.add_argument("--eval-packs", type=int, default=16)
     t.add_argument("--save-every", type=int, default=200)
