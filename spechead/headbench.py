@@ -24,6 +24,7 @@ calls, the low-rank scorer's bytes and B*m*d*e for the escape rows.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from .heads import DraftHead, FullHead
 from .loading import SpecheadError
-from .lowrank import LowRankHead, LowRankLinear, default_rank
+from .lowrank import LowRankHead, LowRankLinear, LowRankScorer, default_rank
 from .subset_heads import FrequencyHead, VocabTrimHead
 
 SHAPES = {  # (d, V) of the paper's targets, and the demo
@@ -81,13 +82,35 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> dict[str, float]:
-    """GB/s of a large tensor copy (bytes read + bytes written) and of a read-only reduction."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    t_copy = median_ms(lambda: dst.copy_(src), repeats)
-    t_read = median_ms(lambda: src.sum(), repeats)
-    return {"copy_GBps": 2 * nbytes / t_copy / 1e6, "read_GBps": nbytes / t_read / 1e6, "buffer_MB": nbytes / 2**20}
+class CopyMeter:
+    """The machine's copy bandwidth (bytes read + bytes written per second of a large tensor copy).
+
+    Sampled once at the start and again inside every repeat, next to the heads: on a shared machine the
+    bandwidth a run gets drifts, and a floor must be computed under the same conditions as the timing.
+    """
+
+    def __init__(self, nbytes: int = 256 * 2**20) -> None:
+        self.src = torch.ones(nbytes // 4)
+        self.dst = torch.empty_like(self.src)
+        self.nbytes = nbytes
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        gbps = 2 * self.nbytes / (time.perf_counter() - t0) / 1e9
+        self.samples.append(gbps)
+        return gbps
+
+    def start(self, repeats: int = 7) -> dict[str, float]:
+        self.sample()
+        copy = statistics.median(self.sample() for _ in range(repeats))
+        read = self.nbytes / median_ms(lambda: self.src.sum(), repeats) / 1e6
+        self.samples.clear()
+        return {"copy_GBps": copy, "read_GBps": read, "buffer_MB": self.nbytes / 2**20}
+
+    def median(self) -> float:
+        return statistics.median(self.samples)
 
 
 class Flusher:
@@ -138,10 +161,15 @@ def build_cases(W: Tensor, d: int, V: int, args, gen: torch.Generator) -> tuple[
     if hybrid is None:
         skipped["hybrid"] = "spechead.nanospec has no HybridHead yet"
     else:
+        params = inspect.signature(hybrid).parameters
+        if "scorer" in params:  # hand it the same random rank-r factors as the low-rank head (no SVD)
+            extra = {"scorer": LowRankScorer(lr.up.weight, lr.down.weight)}
+        elif "factors" in params:
+            extra = {"factors": (lr.up.weight, lr.down.weight)}
+        else:
+            extra = {}
         try:
-            head = hybrid(
-                W, None, V, w_max=w_max, rank=r, policy="lru", gather="sync", factors=(lr.up.weight, lr.down.weight)
-            )
+            head = hybrid(W, None, V, w_max=w_max, rank=r, policy="lru", gather="sync", **extra)
             cases.append(Case(f"hybrid:{w_max}", f"hybrid:{w_max}:rank={r}", head, per_round=True))
         except (TypeError, SpecheadError) as e:
             skipped["hybrid"] = f"cannot build HybridHead: {e}"
@@ -219,7 +247,7 @@ def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args, feeder: Round
 
 
 @torch.inference_mode()
-def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Flusher, bw: dict) -> dict:
+def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Flusher, meter: CopyMeter) -> dict:
     d, V = SHAPES[shape]
     dtype = DTYPES[dtype_name]
     e = torch.finfo(dtype).bits // 8
@@ -239,10 +267,11 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         for c in cases:  # warm-up
             time_case(c, h, args.k, flush, args, feeder)
         for _ in range(args.repeats):
+            meter.sample()
             for c in cases:
                 c.timings[B].append(time_case(c, h, args.k, flush, args, feeder))
-    gbps = bw["copy_GBps"]
-    out = {"d": d, "V": V, "dtype": dtype_name, "heads": {}, "skipped": skipped}
+    gbps = meter.median()
+    out = {"d": d, "V": V, "dtype": dtype_name, "copy_GBps": round(gbps, 2), "heads": {}, "skipped": skipped}
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
     for c in cases:
         rows = {}
@@ -273,7 +302,9 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
 
 # -- the GEMM itself: which PyTorch call gets closest to the floor on this CPU -------------------
 @torch.inference_mode()
-def gemm_variants(d: int, n: int, batches: list[int], dtype: torch.dtype, args, flush: Flusher, bw: dict) -> dict:
+def gemm_variants(
+    d: int, n: int, batches: list[int], dtype: torch.dtype, args, flush: Flusher, meter: CopyMeter
+) -> dict:
     """Candidate ways to compute h @ W.T for W [n, d], each timed cold (median of repeats)."""
     gen = torch.Generator().manual_seed(args.seed)
     W = (torch.randn(n, d, generator=gen) * 0.02).to(dtype)
@@ -289,26 +320,32 @@ def gemm_variants(d: int, n: int, batches: list[int], dtype: torch.dtype, args, 
             "h @ Wt (packed [d, n])": lambda h=h: h @ Wt,
             "(W @ h.T).T": lambda h=h: (W @ h.T).T,
         }
-        if dtype != torch.float32:
-            variants["F.linear fp32 acc (h, W upcast per call)"] = lambda h=h: F.linear(h.float(), W.float())
-        try:  # oneDNN's prepacked weight, what torch.compile's CPU freezing uses
+        if dtype != torch.float32:  # oneDNN's bf16 kernels already accumulate in fp32; these test fp32 math
+            Wf = W.float()
+            variants["F.linear fp32 (W kept in fp32: 2x bytes)"] = lambda h=h, Wf=Wf: F.linear(h.float(), Wf)
+            variants["F.linear fp32 (W upcast per call)"] = lambda h=h: F.linear(h.float(), W.float())
+        try:  # oneDNN's prepacked (VNNI-blocked) weight, what torch.compile's CPU freezing uses
             Wp = torch.ops.mkldnn._reorder_linear_weight(W, B)
             variants["mkldnn prepacked linear"] = lambda h=h, Wp=Wp: torch.ops.mkldnn._linear_pointwise(
                 h, Wp, None, "none", [], ""
             )
         except (RuntimeError, AttributeError) as ex:
             out.setdefault("unavailable", {})["mkldnn prepacked linear"] = str(ex).splitlines()[0][:200]
-        res = {}
-        floor = (n * d * e + B * n * e) / bw["copy_GBps"] / 1e6
-        for name, fn in variants.items():
+        ts: dict[str, list[float]] = {name: [] for name in variants}
+        meter.samples.clear()
+        for fn in variants.values():
             fn()
-            ts = []
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):  # interleaved, next to a copy-bandwidth sample
+            meter.sample()
+            for name, fn in variants.items():
                 flush()
                 t0 = time.perf_counter()
                 fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            ms = statistics.median(ts)
+                ts[name].append((time.perf_counter() - t0) * 1e3)
+        floor = (n * d * e + B * n * e) / meter.median() / 1e6
+        res = {}
+        for name, samples in ts.items():
+            ms = statistics.median(samples)
             res[name] = {
                 "ms": round(ms, 3),
                 "x_floor": round(ms / floor, 2),
@@ -342,6 +379,24 @@ def print_table(res: dict) -> None:
         print(f"{name:<18} skipped: {why}")
 
 
+def issue_bars(report: dict) -> dict:
+    """The issue's CPU bars, at llama3.1-8b, batch 10, bf16: NanoSpec:3072 >= 25x faster than the full
+    head, the rank-512 low-rank head >= 4x, every head within 2x of its own bytes-moved floor."""
+    res = report["shapes"].get("llama3.1-8b")
+    if res is None or res["dtype"] != "bf16" or "10" not in res["heads"]["full"]["batches"]:
+        return {}
+    heads = res["heads"]
+    bars = {}
+    for name, want in (("nanospec:3072", 25.0), ("lowrank:512", 4.0)):
+        if name in heads:
+            v = heads[name]["batches"]["10"]["speedup_vs_full"]
+            bars[f"{name} speedup vs full"] = {"value": v, "want": f">= {want}", "pass": v >= want}
+    for name, h in heads.items():
+        v = h["batches"]["10"]["x_floor"]
+        bars[f"{name} time / bytes floor"] = {"value": v, "want": "<= 2", "pass": v <= 2.0}
+    return bars
+
+
 def cmd_bench_heads(args) -> int:
     shapes = [s for s in args.shape.split(",") if s]
     for s in shapes:
@@ -355,7 +410,8 @@ def cmd_bench_heads(args) -> int:
     if args.new_per_round > 3 * args.nodes:
         raise SpecheadError("--new-per-round cannot exceed 3 x --nodes (new ids enter through the nodes' top-3)")
     flush = Flusher(args.hot)
-    bw = copy_bandwidth()
+    meter = CopyMeter()
+    bw = meter.start()
     load0 = os.getloadavg()
     report = {
         "config": {
@@ -378,20 +434,29 @@ def cmd_bench_heads(args) -> int:
     }
     print(f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads")
     for s in shapes:
-        res = bench_shape(s, batches, args.dtype, args, flush, bw)
+        meter.samples.clear()
+        res = bench_shape(s, batches, args.dtype, args, flush, meter)
         res["shape"] = s
         report["shapes"][s] = res
         print_table(res)
         if args.gemm_variants:
             d, V = SHAPES[s]
-            report["shapes"][s]["gemm_variants"] = gv = gemm_variants(
-                d, min(args.gemm_rows, V), batches, DTYPES[args.dtype], args, flush, bw
-            )
-            for B, row in gv["batches"].items():
-                print(f"  GEMM [{gv['rows']}, {d}] batch {B} (floor {row['floor_ms']:.2f} ms):")
-                for name, r in row["variants"].items():
-                    print(f"    {name:<42}{r['ms']:>9.2f} ms {r['x_floor']:>7.2f}x floor {r['GFLOPs']:>7.1f} GFLOP/s")
+            r = args.rank or default_rank(d)
+            report["shapes"][s]["gemm_variants"] = gvs = [
+                gemm_variants(d, min(args.gemm_rows, V), batches, DTYPES[args.dtype], args, flush, meter),
+                gemm_variants(r, V, batches, DTYPES[args.dtype], args, flush, meter),  # the low-rank head's W_up
+            ]
+            for gv in gvs:
+                for B, row in gv["batches"].items():
+                    print(f"  GEMM [{gv['rows']}, {gv['d']}] batch {B} (floor {row['floor_ms']:.2f} ms):")
+                    for name, v in row["variants"].items():
+                        print(f"    {name:<42}{v['ms']:>9.2f} ms {v['x_floor']:>7.2f}x floor {v['GFLOPs']:>7.1f} GF/s")
     report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    bars = issue_bars(report)
+    if bars:
+        report["bars"] = bars
+        for name, b in bars.items():
+            print(f"bar {name}: {b['value']} (want {b['want']}): {'PASS' if b['pass'] else 'FAIL'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

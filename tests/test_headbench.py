@@ -29,7 +29,7 @@ def test_bench_heads_report(tmp_path):
         assert heads["lowrank:72"]["batches"][b]["bytes"] == (72 * d + V * 72) * 2 + B * V * 2
         for h in heads.values():
             r = h["batches"][b]
-            assert r["floor_ms"] == pytest.approx(r["bytes"] / rep["machine"]["copy_GBps"] / 1e6, rel=0.01, abs=2e-3)
+            assert r["floor_ms"] == pytest.approx(r["bytes"] / res["copy_GBps"] / 1e6, rel=0.01, abs=2e-3)
             assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"], rel=0.02, abs=0.01)
     if "nanospec:3072" in heads:
         # the steady state is real: every round gathered exactly the fresh ids the tree brought
