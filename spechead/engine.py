@@ -207,8 +207,8 @@ class Decoder:
                     target.move_cache(path_t + length, length)
             committed = [tokens[n] for n in path[1:]] + [bonus]
             head.observe(tree.tokens, vo.logits, committed)
-            accept_lengths.append(len(committed))
             new, reason = self._finish(committed, out, max_new)
+            accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
             out += new
             if new:
                 yield new

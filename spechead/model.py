@@ -252,7 +252,8 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         n = cfg.num_hidden_layers
-        self.eagle3_layers = (2, n // 2, n - 3) if n >= 5 else (0, n // 2, n - 1)
+        # EAGLE-3 fuses the inputs of layers 2, L//2 and L-3 (tiny test models fall back to spread-out layers)
+        self.eagle3_layers = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
         self.rotary: Rotary | None = None
         self.max_len = 0
 
@@ -301,11 +302,12 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + t, device=tokens.device)
         cos, sin = self.rotary(positions)
         x = self.model.embed_tokens(tokens)
-        aux = []
+        aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if want_aux and i in self.eagle3_layers:
-                aux.append(x)
+                aux[i] = x
             x = layer(x, layer.input_layernorm(x), cos, sin, start, mask)
         h = self.model.norm(x)
         logits = None if logits_rows is None else self.lm_head(h[logits_rows])
-        return TargetOutput(h, logits, torch.cat(aux, dim=-1) if want_aux else None)
+        fused = torch.cat([aux[i] for i in self.eagle3_layers], dim=-1) if want_aux else None
+        return TargetOutput(h, logits, fused)

@@ -49,7 +49,9 @@ class Session:
     @classmethod
     def open(cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32) -> Session:
         model, folder = load_target(target, dtype)
-        return cls(model, folder, load_tokenizer(folder), min(max_len, model.config.max_position_embeddings))
+        max_len = min(max_len, model.config.max_position_embeddings)
+        model.setup_cache(max_len)
+        return cls(model, folder, load_tokenizer(folder), max_len)
 
     @property
     def stop_ids(self) -> list[int]:

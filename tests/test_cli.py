@@ -1,0 +1,87 @@
+"""The command line on bad input: one clear line on stderr, non-zero exit, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "spechead.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt", ""], "empty prompt"),
+        (["generate", "--prompt", "hi", "--head", "nope"], "unknown head"),
+        (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
+        (["generate", "--prompt", "hi", "--drafter", "/no/such/dir"], "drafter not found"),
+        (["generate", "--prompt", "hi", "--target", "/no/such/model"], "target not found"),
+        (["generate", "--prompt", "hello " * 300, "--max-len", "256"], "does not fit the context"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["bench", "--suite", "/no/such.jsonl"], "suite file not found"),
+    ],
+)
+def test_bad_input_is_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("spechead: error")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_corrupt_drafter_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    r = run("generate", "--prompt", "hi", "--drafter", str(tmp_path))
+    assert r.returncode == 2 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_json_matches_ar(tmp_path):
+    """The CLI's speculative output equals its AR output (greedy) on the demo model."""
+    outs = {}
+    for method in ("ar", "eagle"):
+        r = run(
+            "generate",
+            "--prompt",
+            "List three colors.",
+            "--method",
+            method,
+            "--max-new-tokens",
+            "24",
+            "--drafter",
+            "random",
+            "--json",
+        )
+        assert r.returncode == 0, r.stderr
+        outs[method] = json.loads(r.stdout)
+    assert outs["ar"]["tokens"] == outs["eagle"]["tokens"]
+    assert outs["eagle"]["new_tokens"] == len(outs["eagle"]["tokens"]) > 0
+
+
+def test_bench_json_keys(tmp_path):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text(json.dumps({"category": "qa", "turns": ["What is the capital of France?"]}) + "\n")
+    out = tmp_path / "b.json"
+    r = run(
+        "bench",
+        "--suite",
+        str(suite),
+        "--methods",
+        "ar,eagle",
+        "--drafter",
+        "random",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["methods"]
+    for m in ("ar", "eagle"):
+        assert {"tokens_per_s", "tau", "speedup_vs_ar", "mismatches_vs_ar"} <= set(res[m])
+    assert res["eagle"]["mismatches_vs_ar"] == 0

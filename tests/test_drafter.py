@@ -1,0 +1,144 @@
+"""Drafter checkpoints: published EAGLE layouts written and read exactly, mismatches refused."""
+
+import json
+
+import pytest
+import torch
+
+from spechead.drafter import load_drafter, random_drafter
+from spechead.loading import SpecheadError
+
+EAGLE2_NAMES = {
+    "fc.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
+}
+EAGLE3_NAMES = {
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def write_published_eagle2(folder, target, bias=False):
+    """A checkpoint as the EAGLE repo ships it: pytorch_model.bin with embed_tokens, config with `bias`."""
+    c = target.config
+    d, kv = c.hidden_size, c.num_key_value_heads * c.head_dim
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "embed_tokens.weight": (c.vocab_size, d),
+        "fc.weight": (d, 2 * d),
+        "layers.0.self_attn.q_proj.weight": (d, d),
+        "layers.0.self_attn.k_proj.weight": (kv, d),
+        "layers.0.self_attn.v_proj.weight": (kv, d),
+        "layers.0.self_attn.o_proj.weight": (d, d),
+        "layers.0.mlp.gate_proj.weight": (c.intermediate_size, d),
+        "layers.0.mlp.up_proj.weight": (c.intermediate_size, d),
+        "layers.0.mlp.down_proj.weight": (d, c.intermediate_size),
+        "layers.0.post_attention_layernorm.weight": (d,),
+    }
+    if bias:
+        shapes["fc.bias"] = (d,)
+    state = {k: (torch.randn(s, generator=g) * 0.05).half() for k, s in shapes.items()}
+    folder.mkdir()
+    torch.save(state, folder / "pytorch_model.bin")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": d,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float16",
+        "model_type": "llama",
+        "rope_theta": 10000.0,
+    }
+    if not bias:
+        cfg["bias"] = False
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return state
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_load_published_eagle2_layout(tiny_target, tmp_path, bias):
+    state = write_published_eagle2(tmp_path / "e2", tiny_target, bias)
+    drafter = load_drafter(tmp_path / "e2", tiny_target)
+    assert drafter.arch == "eagle2"
+    assert torch.equal(drafter.fc.weight, state["fc.weight"].float())
+    assert (drafter.fc.bias is not None) == bias
+    assert drafter.embed is tiny_target.model.embed_tokens  # the target's table, not the checkpoint's copy
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_save_load_round_trip(tiny_target, tmp_path, arch):
+    d = random_drafter(tiny_target, arch, seed=1)
+    d.save(tmp_path / arch, dtype=torch.float32)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / arch / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert names == (EAGLE2_NAMES if arch == "eagle2" else EAGLE3_NAMES - {"d2t", "t2d"})
+    back = load_drafter(tmp_path / arch, tiny_target)
+    for (k, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_eagle3_reduced_vocab_layout(tiny_target, tmp_path):
+    V = tiny_target.config.vocab_size
+    d = random_drafter(tiny_target, "eagle3", seed=2, draft_vocab_size=16)
+    keep = torch.arange(0, V, 4)
+    d.set_draft_vocab(keep)
+    d.save(tmp_path / "e3", dtype=torch.float32)
+    back = load_drafter(tmp_path / "e3", tiny_target)
+    w, ids = back.head_weight(tiny_target)
+    assert w.shape == (16, tiny_target.config.hidden_size)
+    assert torch.equal(ids, keep) and int(back.t2d.sum()) == 16
+    assert back.d2t.dtype == torch.long and back.t2d.dtype == torch.bool
+
+
+def test_mismatched_drafter_refused(tiny_target, tmp_path):
+    write_published_eagle2(tmp_path / "e2", tiny_target)
+    cfg = json.loads((tmp_path / "e2" / "config.json").read_text())
+    cfg["vocab_size"] = 999
+    (tmp_path / "e2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadError, match="vocabulary"):
+        load_drafter(tmp_path / "e2", tiny_target)
+    cfg["vocab_size"], cfg["hidden_size"] = tiny_target.config.vocab_size, 48
+    (tmp_path / "e2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecheadError, match="hidden size"):
+        load_drafter(tmp_path / "e2", tiny_target)
+
+
+def test_missing_and_corrupt_drafter(tiny_target, tmp_path):
+    with pytest.raises(SpecheadError, match="not found"):
+        load_drafter(tmp_path / "nope", tiny_target)
+    d = random_drafter(tiny_target, "eagle2")
+    d.save(tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(SpecheadError, match="corrupt"):
+        load_drafter(tmp_path / "c", tiny_target)
+    d.save(tmp_path / "t")
+    (tmp_path / "t" / "config.json").write_text("{")
+    with pytest.raises(SpecheadError, match="invalid drafter config"):
+        load_drafter(tmp_path / "t", tiny_target)
