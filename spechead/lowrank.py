@@ -12,6 +12,7 @@ for a few candidates outside its active set and then computes exact logits on th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .heads import DraftHead, register_head
@@ -40,6 +41,45 @@ def fast_topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     logits = logits.float()
     top, idx = fast_topk(logits, k)
     return (top - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp_max(0.0), idx
+
+
+class PackedLinear:
+    """``x @ W.T`` for a weight that never changes, packed once for the CPU's GEMM kernel.
+
+    On the CPU, oneDNN's bf16 kernel reorders a plain row-major W into its blocked (VNNI) layout on
+    every call, and MKL's fp32 GEMM takes a slow path for a transposed operand with a few rows; a
+    weight reordered once (what torch.compile's CPU freezing does) measured 1.1-1.7x faster in bf16
+    and up to 3x in fp32 at batch 4-10 (docs/heads.md). Results are identical to ``F.linear`` (the
+    constructor checks); other devices, tiny matrices and builds without oneDNN use ``F.linear``.
+    """
+
+    MIN_NUMEL = 1 << 16  # below this the packed call's fixed cost outweighs the gain
+
+    def __init__(self, weight: Tensor, batch_hint: int = 10) -> None:
+        self.weight: Tensor | None = weight.detach().contiguous()  # dropped once packed: no second copy
+        self.packed: Tensor | None = None
+        self.shape, self.dtype = weight.shape, weight.dtype
+        self.nbytes = weight.numel() * weight.element_size()
+        if weight.device.type != "cpu" or weight.numel() < self.MIN_NUMEL or not torch.backends.mkldnn.is_available():
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
+            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            ref, got = F.linear(x, self.weight), self._packed_call(x, packed)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return
+        if got.shape == ref.shape and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2):
+            self.packed, self.weight = packed, None
+
+    @staticmethod
+    def _packed_call(x: Tensor, packed: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.to(self.dtype)
+        if self.packed is not None:
+            return self._packed_call(x, self.packed)
+        return F.linear(x, self.weight)
 
 
 def check_rank(r: int, d: int) -> None:
@@ -159,8 +199,8 @@ class LowRankScorer:
     def __init__(self, up: Tensor, down: Tensor) -> None:
         if up.shape[1] != down.shape[0]:
             raise SpecheadError(f"low-rank factors disagree: up {tuple(up.shape)}, down {tuple(down.shape)}")
-        self.up_t = up.T.contiguous()  # [r, V]: a plain row-major GEMM, no transposed operand
-        self.down_t = down.T.contiguous()  # [d, r]
+        self.up = PackedLinear(up)  # [V, r]
+        self.down = PackedLinear(down)  # [r, d]
 
     @classmethod
     def from_weight(cls, weight: Tensor | LowRankLinear, r: int | None = None) -> LowRankScorer:
@@ -176,15 +216,15 @@ class LowRankScorer:
 
     @property
     def rank(self) -> int:
-        return self.up_t.shape[0]
+        return self.down.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.up_t.numel() * self.up_t.element_size() + self.down_t.numel() * self.down_t.element_size()
+        return self.up.nbytes + self.down.nbytes
 
     def logits(self, h: Tensor) -> Tensor:
-        """Scores [B, V_draft] in h's dtype."""
-        return (h @ self.down_t) @ self.up_t
+        """Scores [B, V_draft] in the factors' dtype."""
+        return self.up(self.down(h))
 
     def candidates(self, h: Tensor, n: int, exclude: Tensor | None = None) -> Tensor:
         """The n best-scoring drafter rows per state [B, n], skipping rows where ``exclude`` [V_draft] is True
@@ -225,7 +265,7 @@ class LowRankHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            logp, idx = fast_topk_logprobs(self.scorer.logits(h.to(self.scorer.up_t.dtype)), k)
+            logp, idx = fast_topk_logprobs(self.scorer.logits(h), k)
             return logp, idx if self.row_ids is None else self.row_ids[idx]
 
     def stats(self) -> dict[str, float]:

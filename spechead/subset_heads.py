@@ -13,12 +13,11 @@ drafter can produce are kept; ``fr:N`` then takes the N best of those.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .heads import DraftHead, register_head
 from .loading import SpecheadError
-from .lowrank import fast_topk_logprobs
+from .lowrank import PackedLinear, fast_topk_logprobs
 from .vocab import check_token_ids, find_token_map, load_token_map
 
 DEFAULT_SIZE = 32768  # FR-Spec's and SGLang's usual list size
@@ -57,7 +56,7 @@ class SubsetHead(DraftHead):
             raise SpecheadError(f"{self.name}: none of the listed ids is in the drafter's vocabulary")
         dev = weight.device
         self.ids = ids.to(dev)  # packed row -> target id
-        self.packed = weight.detach()[rows.to(dev)].contiguous()  # gathered once: [N, d]
+        self.packed = PackedLinear(weight.detach()[rows.to(dev)])  # gathered (and packed) once: [N, d]
 
     @classmethod
     def default_list(cls, n: int, reduced: bool, vocab_size: int) -> Tensor:
@@ -81,14 +80,14 @@ class SubsetHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            logp, idx = fast_topk_logprobs(F.linear(h.to(self.packed.dtype), self.packed), k)
+            logp, idx = fast_topk_logprobs(self.packed(h), k)
             return logp, self.ids[idx]
 
     def stats(self) -> dict[str, float]:
         return {"active_size": float(self.size), "dropped_ids": float(self.dropped)}
 
     def extra_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.ids.numel() * self.ids.element_size()
+        return self.packed.nbytes + self.ids.numel() * self.ids.element_size()
 
 
 @register_head("fr")

@@ -11,12 +11,14 @@ from spechead.lowrank import (
     LowRankHead,
     LowRankLinear,
     LowRankScorer,
+    PackedLinear,
     fast_topk,
     fast_topk_logprobs,
     svd_factors,
     truncate_factors,
 )
 from spechead.tree import TreeConfig
+from spechead.vocab import save_token_map
 
 
 def weight_with_spectrum(V=96, d=32, seed=0):
@@ -168,3 +170,29 @@ def test_fast_topk_is_exact(V, k):
     assert torch.equal(idx[2:], want.indices[2:])  # distinct values: the same indices
     logp, i2 = fast_topk_logprobs(x, k)
     torch.testing.assert_close(logp, x.log_softmax(-1).gather(1, i2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_linear_and_heads_use_it(dtype, tmp_path):
+    g = torch.Generator().manual_seed(8)
+    W = (torch.randn(4096, 64, generator=g) * 0.02).to(dtype)  # big enough to be packed
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    lin = PackedLinear(W)
+    if torch.backends.mkldnn.is_available():
+        assert lin.packed is not None and lin.weight is None  # one copy, the packed one
+    torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, W).float(), rtol=1e-2, atol=1e-3)
+    assert lin.nbytes == W.numel() * W.element_size() and lin.shape == W.shape
+    # the heads' results through the packed path still equal brute force over their candidate set
+    up, down = svd_factors(W.float(), 16)
+    head = LowRankHead(W.float(), None, 4096, rank=16)
+    h = torch.randn(3, 64, generator=g)
+    logp, ids = head.topk(h, 5)
+    want_logp, want = (h @ (up @ down).T).log_softmax(-1).topk(5, dim=-1)
+    assert torch.equal(ids, want)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-4, atol=1e-4)
+    keep = torch.randperm(4096, generator=g)[:2048]
+    sub = make_head(f"fr:{save_token_map(keep.tolist(), tmp_path / 'l.pt')}", W.float(), None, 4096)
+    logp, ids = sub.topk(h, 5)
+    want_logp, pos = (h @ W.float()[keep].T).log_softmax(-1).topk(5, dim=-1)
+    assert torch.equal(ids, keep[pos])
+    torch.testing.assert_close(logp, want_logp, rtol=1e-4, atol=1e-4)
