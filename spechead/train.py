@@ -62,6 +62,7 @@ class TrainConfig:
     topk: int = 4
     eval_every: int = 0
     eval_packs: int = 16
+    eval_positions: int = 256  # sampled (seeded) per pack and step: the V-wide head makes every position costly
     save_every: int = 200
     log_every: int = 10
     seed: int = 0
@@ -360,7 +361,7 @@ def evaluate(drafter, target, cache: ChunkCache, held, cfg: TrainConfig, teacher
     ce = [[0.0, 0] for _ in range(n_steps)]
     for j, (c, lo, hi) in enumerate(held):
         b = make_batch(cache.get(c), lo, hi)
-        out = run_ttt(drafter, target, b, cfg, torch.Generator().manual_seed(j), teacher, ce_positions=10**9)
+        out = run_ttt(drafter, target, b, cfg, torch.Generator().manual_seed(j), teacher, cfg.eval_positions)
         for i in range(n_steps):
             acc1[i][0] += out.top1[i][0]
             acc1[i][1] += out.top1[i][1]
