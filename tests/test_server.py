@@ -23,6 +23,7 @@ MODEL = "smollm2-135m-instruct"
 MAX_LEN = 512
 QUEUE = 4
 CHAT = "Write a haiku about the sea."
+N = 8  # new tokens per test request: the demo model decodes ~10-30 tokens/s on 2 CPU cores
 LOAD_PROMPTS = [
     "Name three primary colors.",
     "What is 12 times 12?",
@@ -72,12 +73,24 @@ class Served:
         raise AssertionError("no VmRSS")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The server process and this one (references, the in-process server) share the CPU: one torch
+    thread each avoids oversubscription, which on a busy 2-core machine costs 5x."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "spechead.cli", "serve", "--drafter", "random", "--port", str(port)]
-    cmd += ["--max-len", str(MAX_LEN), "--queue-size", str(QUEUE), "--log-level", "warning"]
+    cmd += ["--max-len", str(MAX_LEN), "--queue-size", str(QUEUE), "--log-level", "warning", "--threads", "1"]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     s = Served(proc, port, log)
@@ -169,11 +182,11 @@ def test_models_and_health(server):
 
 
 def test_chat_completion_is_greedy_ar_text(server, reference):
-    text, tokens, n_prompt = reference(CHAT, 12)
-    r = chat(server.client(), CHAT, max_tokens=12, temperature=0)
+    text, tokens, n_prompt = reference(CHAT, N)
+    r = chat(server.client(), CHAT, max_tokens=N, temperature=0)
     assert r.choices[0].message.content == text
     assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].finish_reason == ("stop" if len(tokens) < 12 else "length")
+    assert r.choices[0].finish_reason == ("stop" if len(tokens) < N else "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(tokens))
     assert r.usage.total_tokens == n_prompt + len(tokens)
     assert r.usage.model_extra["tau"] >= 1.0
@@ -181,46 +194,46 @@ def test_chat_completion_is_greedy_ar_text(server, reference):
 
 
 def test_stream_deltas_equal_non_streamed_text(server, reference):
-    text, tokens, n_prompt = reference(CHAT, 12)
+    text, tokens, n_prompt = reference(CHAT, N)
     client = server.client()
-    plain = chat(client, CHAT, max_tokens=12, temperature=0).choices[0].message.content
-    chunks = list(chat(client, CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    plain = chat(client, CHAT, max_tokens=N, temperature=0).choices[0].message.content
+    chunks = list(chat(client, CHAT, max_tokens=N, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed, finish, usage = stream_text(chunks)
     assert streamed == plain == text
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # really incremental
-    assert finish == ("stop" if len(tokens) < 12 else "length")
+    assert finish == ("stop" if len(tokens) < N else "length")
     assert usage["completion_tokens"] == len(tokens) and usage["prompt_tokens"] == n_prompt
     assert usage["tau"] >= 1.0
 
 
 def test_completions_endpoint_raw_prompt(server, reference):
     prompt = "The capital of France is"
-    text, tokens, n_prompt = reference(prompt, 8, raw=True)
+    text, tokens, n_prompt = reference(prompt, 6, raw=True)
     client = server.client()
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
     assert r.choices[0].text == text and r.usage.prompt_tokens == n_prompt
     streamed, finish, _ = stream_text(
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
     )
     assert streamed == text and finish == r.choices[0].finish_reason
 
 
 def test_stop_sequences(server, reference):
-    text, _, _ = reference(CHAT, 12)
+    text, _, _ = reference(CHAT, N)
     k = len(text) // 2
     stop = text[k : k + 4]  # likely spans a token boundary
     first = text.find(stop)
     client = server.client()
-    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=[stop])
+    r = chat(client, CHAT, max_tokens=N, temperature=0, stop=[stop])
     assert r.choices[0].message.content == text[:first] and r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens < 12  # generation really ended early
-    streamed, finish, _ = stream_text(chat(client, CHAT, max_tokens=12, temperature=0, stop=stop, stream=True))
+    assert r.usage.completion_tokens < N  # generation really ended early
+    streamed, finish, _ = stream_text(chat(client, CHAT, max_tokens=N, temperature=0, stop=stop, stream=True))
     assert (streamed, finish) == (text[:first], "stop")
     early = text[2:5]  # of two stop strings the earliest occurrence wins
-    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=[stop, early])
+    r = chat(client, CHAT, max_tokens=N, temperature=0, stop=[stop, early])
     assert r.choices[0].message.content == text[: text.find(early)]
-    r = chat(client, CHAT, max_tokens=12, temperature=0, stop=["\u2603never"])
+    r = chat(client, CHAT, max_tokens=N, temperature=0, stop=["\u2603never"])
     assert r.choices[0].message.content == text
 
 
@@ -358,7 +371,7 @@ def test_load_32_requests_8_clients(server, reference):
     """32 requests from 8 concurrent clients (non-streamed, streamed, and streams dropped after two
     deltas): every completed answer is the greedy AR text, every refusal is a 503, memory comes back
     and the server still answers. Prints throughput and latency percentiles."""
-    n_tokens, modes = 10, ["json", "stream", "drop", "json"]
+    n_tokens, modes = 8, ["json", "stream", "drop", "json"]
     refs = {p: reference(p, n_tokens)[0] for p in LOAD_PROMPTS}
     warm = server.client()  # warm both paths before the memory baseline
     chat(warm, LOAD_PROMPTS[0], max_tokens=4, temperature=0)
