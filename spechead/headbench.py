@@ -124,6 +124,33 @@ class Flusher:
             self.buf.sum()
 
 
+class GemmRate:
+    """The GEMM throughput this machine reaches at a given batch, weights in cache (GFLOP/s).
+
+    With few rows a GEMM does 2*B flops per weight element: at B=10 in bf16 that is 10 flops per byte,
+    more than a CPU core's vector units deliver per byte of DRAM bandwidth, so the bytes floor is not
+    reachable. This rate gives the compute floor; the roofline floor is the larger of the two.
+    """
+
+    def __init__(self, d: int, dtype: torch.dtype, rows: int = 512) -> None:
+        self.lin = PackedLinear((torch.randn(rows, d) * 0.02).to(dtype))
+        self.rows, self.d, self.dtype = rows, d, dtype
+        self.samples: dict[int, list[float]] = {}
+
+    def sample(self, B: int, calls: int = 10) -> float:
+        h = torch.randn(B, self.d).to(self.dtype)
+        self.lin(h)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            self.lin(h)
+        rate = 2 * B * self.rows * self.d * calls / (time.perf_counter() - t0) / 1e9
+        self.samples.setdefault(B, []).append(rate)
+        return rate
+
+    def median(self, B: int) -> float:
+        return statistics.median(self.samples[B])
+
+
 # -- heads under test ----------------------------------------------------------------------------
 @dataclass
 class Case:
@@ -133,6 +160,8 @@ class Case:
     per_round: bool = False  # stateful head: timed by rounds of observe + calls
     note: str = ""
     timings: dict[int, list[float]] = field(default_factory=dict)
+    rounds: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # observe, 1st call, rest
+    feeder: RoundFeeder | None = None
 
 
 class PackedFullHead(DraftHead):
@@ -175,37 +204,47 @@ def build_cases(W: Tensor, d: int, V: int, args, gen: torch.Generator) -> tuple[
     hybrid = getattr(nanospec, "HybridHead", None)
     if hybrid is None:
         skipped["hybrid"] = "spechead.nanospec has no HybridHead yet"
-    else:
-        params = inspect.signature(hybrid).parameters
-        if "scorer" in params:  # hand it the same random rank-r factors as the low-rank head (no SVD)
-            extra = {"scorer": LowRankScorer(lr.up.weight, lr.down.weight)}
-        elif "factors" in params:
-            extra = {"factors": (lr.up.weight, lr.down.weight)}
-        else:
-            extra = {}
+        return cases, skipped
+    params = inspect.signature(hybrid).parameters
+    common = {"w_max": w_max, "policy": "lru", "gather": "sync"}
+    variants = [(f"hybrid:{w_max}", f"hybrid:{w_max}", {}, "its defaults")]
+    if "scorer" in params and "m" in params:  # the low-rank escape, on the same random factors as lowrank:r
+        esc = {"m": args.escape_m, "scorer": LowRankScorer(lr.up.weight, lr.down.weight)}
+        variants.append((f"hybrid+esc{args.escape_m}", f"hybrid:{w_max}:m={args.escape_m}:rank={r}", esc, "escape"))
+    for name, spec, extra, note in variants:
         try:
-            head = hybrid(W, None, V, w_max=w_max, rank=r, policy="lru", gather="sync", **extra)
-            cases.append(Case(f"hybrid:{w_max}", f"hybrid:{w_max}:rank={r}", head, per_round=True))
+            head = hybrid(W, None, V, **common, **extra)
         except (TypeError, SpecheadError) as e:
-            skipped["hybrid"] = f"cannot build HybridHead: {e}"
+            skipped[name] = f"cannot build HybridHead: {e}"
+            continue
+        desc = f"{note}: m={getattr(head, 'm', '?')}, escape_calls={getattr(head, 'escape_calls', '?')}"
+        cases.append(Case(name, spec, head, per_round=True, note=desc))
     return cases, skipped
 
 
 class RoundFeeder:
     """Inputs for NanoSpec-style rounds: a prompt that fills the set, then per round a tree whose nodes'
-    target top-3 hold ``new`` fresh ids and a fixed pool of known ids. The pool is hit every round,
-    so LRU never evicts it and each round gathers exactly ``new`` rows (the steady state)."""
+    target top-``topk`` hold ``new`` fresh ids and a fixed pool of ids already in the set (``topk`` is
+    the head's Ext depth, so no arbitrary tie breaks the count). The pool is hit every round, so LRU
+    never evicts it, and each round gathers exactly ``new`` rows (the steady state)."""
 
-    def __init__(self, V: int, w_max: int, nodes: int, new: int, gen: torch.Generator) -> None:
-        self.V, self.nodes, self.new, self.gen = V, nodes, new, gen
+    def __init__(self, V: int, w_max: int, nodes: int, new: int, topk: int, gen: torch.Generator) -> None:
+        self.V, self.nodes, self.new, self.k, self.gen = V, nodes, new, max(topk, 1), gen
         self.perm = torch.randperm(V, generator=gen)
-        self.prompt = self.perm[:w_max]  # exactly fills the set (its logits are left out)
-        self.pool = self.prompt[: min(3 * nodes - new, w_max)]
-        self.cursor = w_max
+        self.prompt = self.perm[:w_max]  # fills the set (its logits are left out)
+        self.settle(self.prompt)
+
+    def settle(self, resident: Tensor) -> None:
+        """Pool from the ids the head really holds (a head may pin some ids of its own); fresh ids from the rest."""
+        self.pool = resident[: max(min(self.k * self.nodes - self.new, resident.numel()), 1)]
+        outside = torch.ones(self.V, dtype=torch.bool)
+        outside[resident] = False
+        self.perm = self.perm[outside[self.perm]]
+        self.cursor = 0
 
     def fresh(self, n: int) -> Tensor:
-        if self.cursor + n > self.V:
-            self.cursor = self.prompt.numel()
+        if self.cursor + n > self.perm.numel():
+            self.cursor = 0
         out = self.perm[self.cursor : self.cursor + n]
         self.cursor += n
         return out
@@ -213,11 +252,13 @@ class RoundFeeder:
     def round(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, list[int]]:
         known = self.pool[torch.randperm(self.pool.numel(), generator=self.gen)]
         picks = torch.cat([self.fresh(self.new), known])
-        short = 3 * self.nodes - picks.numel()  # > 0 only when W_max is smaller than the pool wanted
-        picks = torch.cat([picks, known.repeat(-(-short // max(known.numel(), 1)))[:short]])
-        top = picks.view(3, self.nodes).T  # fresh ids spread over the nodes' top-1 first
+        short = self.k * self.nodes - picks.numel()  # > 0 only when W_max is smaller than the pool wanted
+        if short > 0:
+            picks = torch.cat([picks, known.repeat(-(-short // known.numel()))[:short]])
+        top = picks[: self.k * self.nodes].view(self.k, self.nodes).T  # fresh ids on the nodes' top-1 first
         logits = torch.zeros(self.nodes, self.V, dtype=dtype)
-        logits.scatter_(1, top, torch.tensor([3.0, 2.0, 1.0], dtype=dtype).expand(self.nodes, 3))
+        scores = torch.arange(self.k, 0, -1, dtype=torch.float32).to(dtype)
+        logits.scatter_(1, top, scores.expand(self.nodes, self.k))
         tree = top[:, 0].clone()
         return tree, logits, tree[:3].tolist()
 
@@ -240,7 +281,23 @@ def bytes_per_call(case: Case, B: int, d: int, V: int, e: int, args) -> int:
     return per_round // calls
 
 
-def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args, feeder: RoundFeeder | None) -> float:
+def flops_per_call(case: Case, B: int, d: int, V: int, args) -> int:
+    """Multiply-adds x 2 of the head's GEMMs (top-k, softmax and gathers are not counted)."""
+    h = case.head
+    if isinstance(h, (FullHead, PackedFullHead)):
+        return 2 * B * V * d
+    if isinstance(h, (FrequencyHead, VocabTrimHead)):
+        return 2 * B * h.size * d
+    if isinstance(h, LowRankHead):
+        return 2 * B * h.scorer.rank * (d + V)
+    calls = args.calls_per_round
+    per_round = calls * 2 * B * h.w_max * d
+    if hasattr(h, "escape_calls"):
+        per_round += min(h.escape_calls, calls) * 2 * B * (h.rank * (d + V) + h.m * d)
+    return per_round // calls
+
+
+def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args) -> float:
     """Milliseconds per draft call for one repeat (cold caches before every call unless --hot)."""
     head = case.head
     if not case.per_round:
@@ -248,17 +305,21 @@ def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args, feeder: Round
         t0 = time.perf_counter()
         head.topk(h, k)
         return (time.perf_counter() - t0) * 1e3
-    tree, logits, committed = feeder.round(h.dtype)
+    tree, logits, committed = case.feeder.round(h.dtype)
     flush()
     t0 = time.perf_counter()
     head.observe(tree, logits, committed)
-    total = time.perf_counter() - t0
+    parts = [time.perf_counter() - t0]
     for _ in range(args.calls_per_round):
         flush()
         t0 = time.perf_counter()
         head.topk(h, k)
-        total += time.perf_counter() - t0
-    return total * 1e3 / args.calls_per_round
+        parts.append(time.perf_counter() - t0)
+    rest = parts[2:]
+    case.rounds.setdefault(h.shape[0], []).append(
+        (parts[0] * 1e3, parts[1] * 1e3, sum(rest) * 1e3 / len(rest) if rest else 0.0)
+    )
+    return sum(parts) * 1e3 / args.calls_per_round
 
 
 @torch.inference_mode()
@@ -269,24 +330,38 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
     gen = torch.Generator().manual_seed(args.seed)
     W = (torch.randn(V, d, generator=gen) * 0.02).to(dtype)
     cases, skipped = build_cases(W, d, V, args, gen)
-    feeder = None
     for c in cases:
         if c.per_round:
-            feeder = feeder or RoundFeeder(V, c.head.w_max, args.nodes, args.new_per_round, gen)
-            c.head.begin(feeder.prompt, None)
+            topk = getattr(c.head, "ext_topk", 3)
+            c.feeder = RoundFeeder(V, c.head.w_max, args.nodes, args.new_per_round, topk, gen)
+            c.head.begin(c.feeder.prompt, None)
+            if hasattr(c.head, "state"):
+                c.feeder.settle(c.head.state()[0].cpu())
+    rate = GemmRate(d, dtype)
     for c in cases:
         c.timings = {B: [] for B in batches}
     evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.per_round}
     for B in batches:
         h = torch.randn(B, d, generator=gen).to(dtype)
         for c in cases:  # warm-up
-            time_case(c, h, args.k, flush, args, feeder)
+            time_case(c, h, args.k, flush, args)
+        for c in cases:
+            c.rounds.clear()
         for _ in range(args.repeats):
             meter.sample()
+            rate.sample(B)
             for c in cases:
-                c.timings[B].append(time_case(c, h, args.k, flush, args, feeder))
+                c.timings[B].append(time_case(c, h, args.k, flush, args))
     gbps = meter.median()
-    out = {"d": d, "V": V, "dtype": dtype_name, "copy_GBps": round(gbps, 2), "heads": {}, "skipped": skipped}
+    out = {
+        "d": d,
+        "V": V,
+        "dtype": dtype_name,
+        "copy_GBps": round(gbps, 2),
+        "gemm_GFLOPs_in_cache": {str(B): round(rate.median(B), 1) for B in batches},
+        "heads": {},
+        "skipped": skipped,
+    }
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
     packed_ms = {B: statistics.median(cases[1].timings[B]) for B in batches}
     for c in cases:
@@ -295,12 +370,24 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
             ms = statistics.median(c.timings[B])
             nbytes = bytes_per_call(c, B, d, V, e, args)
             floor = nbytes / gbps / 1e6
-            rows[str(B)] = {
+            flops = flops_per_call(c, B, d, V, args)
+            compute = flops / rate.median(B) / 1e6
+            if c.rounds.get(B):
+                obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
+                rows[str(B)] = {
+                    "round_ms": {"observe": round(obs, 3), "first_call": round(first, 3), "other_calls": round(rest, 3)}
+                }
+            else:
+                rows[str(B)] = {}
+            rows[str(B)] |= {
                 "ms": round(ms, 3),
                 "ms_min": round(min(c.timings[B]), 3),
                 "bytes": nbytes,
                 "floor_ms": round(floor, 3),
                 "x_floor": round(ms / floor, 2),
+                "flops": flops,
+                "compute_floor_ms": round(compute, 3),
+                "x_roofline": round(ms / max(floor, compute), 2),
                 "achieved_GBps": round(nbytes / ms / 1e6, 2),
                 "speedup_vs_full": round(full_ms[B] / ms, 2),
                 "speedup_vs_full_packed": round(packed_ms[B] / ms, 2),
@@ -384,15 +471,16 @@ def _ints(spec: str, what: str) -> list[int]:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}")
+    print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}, copy {res['copy_GBps']} GB/s during the run")
+    print("in-cache GEMM GFLOP/s by batch: " + ", ".join(f"{b}: {v}" for b, v in res["gemm_GFLOPs_in_cache"].items()))
     print(
-        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'GB/s':>8}{'vs full':>9}"
+        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'x roof':>8}{'GB/s':>8}{'vs full':>9}"
         f"{'vs f-pk':>9}{'bytes x':>9}"
     )
     for name, hres in res["heads"].items():
         for B, r in hres["batches"].items():
             print(
-                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}"
+                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}{r['x_roofline']:>8.2f}"
                 f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}{r['speedup_vs_full_packed']:>9.2f}"
                 f"{r['bytes_ratio_vs_full']:>9.2f}"
             )
@@ -428,8 +516,8 @@ def cmd_bench_heads(args) -> int:
     batches = _ints(args.batch, "--batch")
     if args.repeats < 1 or args.calls_per_round < 1 or args.new_per_round < 0 or args.nodes < 1:
         raise SpecheadError("--repeats, --calls-per-round and --nodes must be >= 1, --new-per-round >= 0")
-    if args.new_per_round > 3 * args.nodes:
-        raise SpecheadError("--new-per-round cannot exceed 3 x --nodes (new ids enter through the nodes' top-3)")
+    if args.new_per_round > args.nodes:
+        raise SpecheadError("--new-per-round cannot exceed --nodes (new ids enter through the nodes' top-k)")
     flush = Flusher(args.hot)
     meter = CopyMeter()
     bw = meter.start()
@@ -495,6 +583,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
     p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
     p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
+    p.add_argument("--escape-m", type=int, default=8, help="escape ids per row for the hybrid+esc variant")
     p.add_argument("--calls-per-round", type=int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)")
     p.add_argument("--new-per-round", type=int, default=16, help="fresh ids gathered into NanoSpec's set per round")
     p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
