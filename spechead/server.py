@@ -496,7 +496,10 @@ class Engine:
             return
         p, m = job.params, self.metrics
         m.queue_wait.observe(time.monotonic() - job.arrival)
-        dec = self._decoder(p.head)
+        try:
+            dec = self._decoder(p.head)
+        except Exception as e:  # the head spec is user input: a bad argument is the request's fault
+            raise ApiError(400, f"cannot build draft head {p.head!r}: {type(e).__name__}: {e}", "head") from e
         text = TextStream(self.decode, p.stop)
         tokens: list[int] = []
         rounds: list[int] = []

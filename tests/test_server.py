@@ -268,6 +268,7 @@ def test_errors_in_openai_format(server):
         dict(n=2),
         dict(stream="yes"),
         dict(extra_body={"head": "nope"}),
+        dict(extra_body={"head": "full:3"}),  # a known head with an argument it does not take
         dict(extra_body={"spechead": "full"}),
     ]
     for kw in bad:
@@ -290,37 +291,50 @@ def test_errors_in_openai_format(server):
     assert server.health()["status"] == "ok"
 
 
-def test_full_queue_answers_503_in_order_and_a_dropped_stream_frees_the_decoder(server, reference):
-    """One long stream decodes, QUEUE requests wait, the next is refused; closing the stream lets the
-    queued ones run, in arrival order."""
+def test_full_queue_answers_503_in_order_and_departed_clients_free_their_place(server, reference):
+    """One long stream decodes and QUEUE requests wait, the last of them from a client that gives up
+    soon; the next request is refused. The quitter leaves the queue at once; closing the stream stops
+    the decoder and the queued requests run in arrival order."""
     client = server.client()
     tokens0 = server.metric("spechead_generation_tokens_total")
     cancelled0 = server.metric("spechead_requests_cancelled_total")
     long = chat(client, "Write a long essay about the history of Rome.", max_tokens=400, temperature=0, stream=True)
     wait_until(lambda: server.health()["busy"], "the long request to start")
     done: dict[str, tuple[int, str]] = {}
+    prompts = LOAD_PROMPTS[: QUEUE - 1]
 
     def ask(prompt: str) -> None:
         r = chat(server.client(), prompt, max_tokens=2, temperature=0)
         done[prompt] = r.model_extra["spechead"]["seq"], r.choices[0].message.content
 
-    threads = []
-    for i, prompt in enumerate(LOAD_PROMPTS[:QUEUE]):
-        threads.append(threading.Thread(target=ask, args=(prompt,)))
-        threads[-1].start()
+    def quit_early() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        try:
+            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+            done["quitter"] = -1, "answered"
+        except httpx.ReadTimeout:
+            done["quitter"] = -1, "gave up"
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts] + [threading.Thread(target=quit_early)]
+    for i, t in enumerate(threads):
+        t.start()
         wait_until(lambda i=i: server.health()["waiting"] == i + 1, "a request to queue")
     with pytest.raises(openai.APIStatusError) as e:
         chat(client, "one too many", max_tokens=2, temperature=0)
     assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
     assert int(e.value.response.headers["retry-after"]) >= 1
+    threads[-1].join(60)
+    assert done["quitter"][1] == "gave up"
+    wait_until(lambda: server.health()["waiting"] == QUEUE - 1, "the quitter to leave the queue")
+    assert server.health()["busy"]  # the long stream is still decoding
     long.close()  # the client goes away mid-stream
     for t in threads:
         t.join(120)
-    assert [done[p][1] for p in LOAD_PROMPTS[:QUEUE]] == [reference(p, 2)[0] for p in LOAD_PROMPTS[:QUEUE]]
-    seqs = [done[p][0] for p in LOAD_PROMPTS[:QUEUE]]
-    assert seqs == list(range(seqs[0], seqs[0] + QUEUE))  # taken up in arrival order, right after the long one
+    assert [done[p][1] for p in prompts] == [reference(p, 2)[0] for p in prompts]
+    seqs = [done[p][0] for p in prompts]
+    assert seqs == list(range(seqs[0], seqs[0] + len(prompts)))  # in arrival order, right after the long one
     wait_until(lambda: not server.health()["busy"], "the server to go idle")
-    assert server.metric("spechead_requests_cancelled_total") == cancelled0 + 1
+    assert server.metric("spechead_requests_cancelled_total") == cancelled0 + 2
     assert server.metric("spechead_generation_tokens_total") - tokens0 < 400  # the long one was stopped
 
 
