@@ -346,7 +346,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         for c in cases:  # warm-up
             time_case(c, h, args.k, flush, args)
         for c in cases:
-            c.rounds.clear()
+            c.rounds.pop(B, None)  # drop the warm-up round
         for _ in range(args.repeats):
             meter.sample()
             rate.sample(B)
