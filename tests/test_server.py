@@ -385,11 +385,11 @@ def test_load_32_requests_8_clients(server, reference):
     """32 requests from 8 concurrent clients (non-streamed, streamed, and streams dropped after two
     deltas): every completed answer is the greedy AR text, every refusal is a 503, memory comes back
     and the server still answers. Prints throughput and latency percentiles."""
-    n_tokens, modes = 8, ["json", "stream", "drop", "json"]
+    n_tokens, modes = 6, ["json", "stream", "drop", "json"]
     refs = {p: reference(p, n_tokens)[0] for p in LOAD_PROMPTS}
     warm = server.client()  # warm both paths before the memory baseline
-    chat(warm, LOAD_PROMPTS[0], max_tokens=4, temperature=0)
-    stream_text(chat(warm, LOAD_PROMPTS[1], max_tokens=4, temperature=0, stream=True))
+    chat(warm, LOAD_PROMPTS[0], max_tokens=2, temperature=0)
+    stream_text(chat(warm, LOAD_PROMPTS[1], max_tokens=2, temperature=0, stream=True))
     wait_until(lambda: not server.health()["busy"], "idle")
     rss0 = server.rss_mib()
     results, lock = [], threading.Lock()
