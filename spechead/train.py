@@ -306,14 +306,11 @@ def plan_packs(lengths: list[list[int]], pack_tokens: int) -> list[tuple[int, in
 
 
 def split_packs(packs: list[tuple[int, int, int]], n_chunks: int, eval_packs: int):
-    """Held-out: the last chunk when there are several, else the last packs (at most 10%)."""
-    if n_chunks >= 2:
-        held = [p for p in packs if p[0] == n_chunks - 1]
-        train = [p for p in packs if p[0] != n_chunks - 1]
-    else:
-        k = max(1, min(eval_packs, len(packs) // 10)) if len(packs) > 1 else 0
-        train, held = packs[: len(packs) - k], packs[len(packs) - k :]
-    return train, held[:eval_packs]
+    """Held-out: the last ``eval_packs`` packs of the last chunk (at most 10% of all packs, at least one)."""
+    last = [p for p in packs if p[0] == n_chunks - 1]
+    k = min(len(last), max(1, min(eval_packs, len(packs) // 10))) if len(packs) > 1 else 0
+    held = last[len(last) - k :] if k else []
+    return [p for p in packs if p not in held], held
 
 
 def epoch_order(train: list[tuple[int, int, int]], seed: int, epoch: int) -> list[tuple[int, int, int]]:
