@@ -131,12 +131,14 @@ def _load_head_modules() -> None:
 
 def make_head(spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> DraftHead:
     """Build a head from a CLI spec such as ``full``."""
+    from .loading import SpecheadError
+
     _load_head_modules()
     name, _, arg = spec.partition(":")
     if name not in HEADS:
-        from .loading import SpecheadError
-
         raise SpecheadError(f"unknown head {spec!r}; available: {', '.join(sorted(HEADS))}")
     if arg:
-        return HEADS[name].from_spec(arg, weight, row_ids, vocab_size)  # type: ignore[attr-defined]
+        if not hasattr(HEADS[name], "from_spec"):
+            raise SpecheadError(f"head {name!r} takes no argument (got {spec!r})")
+        return HEADS[name].from_spec(arg, weight, row_ids, vocab_size)
     return HEADS[name](weight, row_ids, vocab_size)

@@ -18,6 +18,7 @@ def run(*args, timeout=300):
     [
         (["generate", "--prompt", ""], "empty prompt"),
         (["generate", "--prompt", "hi", "--head", "nope"], "unknown head"),
+        (["generate", "--prompt", "hi", "--head", "full:3"], "takes no argument"),
         (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
         (["generate", "--prompt", "hi", "--drafter", "/no/such/dir"], "drafter not found"),
         (["generate", "--prompt", "hi", "--target", "/no/such/model"], "target not found"),
