@@ -1,0 +1,320 @@
+"""NanoSpec and hybrid heads: top-k against brute force over the defined candidate set, state
+invariants under adversarial streams, coverage telemetry, bad input, greedy losslessness."""
+
+import pytest
+import torch
+
+from spechead.drafter import random_drafter
+from spechead.engine import Decoder
+from spechead.heads import make_head
+from spechead.loading import SpecheadError, load_target
+from spechead.lowrank import LowRankScorer
+from spechead.nanospec import HybridHead, NanoSpecHead, gram_factors
+from spechead.tree import TreeConfig
+
+V, D = 200, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from a second thread; on a busy 2-core machine it only adds waits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_target(str(tiny_dir))[0]
+
+
+def weight(seed=0, rows=V):
+    return torch.randn(rows, D, generator=torch.Generator().manual_seed(seed))
+
+
+def check_invariants(head: NanoSpecHead, w: torch.Tensor) -> set[int]:
+    """No duplicates, mask == buffer, slot map consistent, packed rows == the head's rows; returns the set."""
+    ids, n = head.state()
+    assert n <= head.w_max
+    assert ids.unique().numel() == n
+    assert torch.equal(head.in_set.nonzero().flatten(), ids.sort().values)
+    assert torch.equal(head.slot_of[ids], torch.arange(n))
+    assert int((head.slot_of >= 0).sum()) == n
+    rows = ids if head.t2r is None else head.t2r[ids]
+    assert torch.equal(head.packed[:n], w[rows])
+    return set(ids.tolist())
+
+
+def brute_topk(h, w, row_of: dict[int, int], cand: list[int], k: int):
+    """log-softmax over exactly the candidate ids, top-k: the definition the heads must match."""
+    z = h @ w[[row_of[c] for c in cand]].T
+    lp = torch.log_softmax(z.float(), dim=-1)
+    top, idx = lp.topk(min(k, len(cand)), dim=-1)
+    return top, torch.tensor(cand)[idx]
+
+
+def feed(head, g, rounds=6, nodes=5):
+    """Random rounds; returns the union of every Ext candidate (tree tokens, committed, top-k)."""
+    seen = set()
+    for _ in range(rounds):
+        tree = torch.randint(0, V, (nodes,), generator=g)
+        logits = torch.randn(nodes, V, generator=g)
+        committed = tree[: 1 + int(torch.randint(0, nodes, (1,), generator=g))].tolist()
+        k = max(head.ext_topk, 1)
+        seen |= set(tree.tolist()) | set(committed) | set(logits.topk(k, dim=-1).indices.flatten().tolist())
+        head.observe(tree, logits, committed)
+    return seen
+
+
+@pytest.mark.parametrize("ext_topk", [0, 1, 3])
+@pytest.mark.parametrize("sources", ["ctx+ext", "ctx", "ext"])
+def test_set_sources_and_topk_match_brute_force(ext_topk, sources):
+    g = torch.Generator().manual_seed(1)
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=V, ext_topk=ext_topk, sources=sources)
+    prompt = torch.randint(0, V, (7,), generator=g)
+    plog = torch.randn(7, V, generator=g)
+    head.begin(prompt, plog)
+    expected = set()
+    if sources != "ext":
+        expected = set(prompt.tolist()) | set(plog.topk(3, dim=-1).indices.flatten().tolist())
+    assert check_invariants(head, w) == expected
+    ext = feed(head, g)
+    if sources != "ctx":
+        expected |= ext
+    got = check_invariants(head, w)
+    assert got == expected
+    h = torch.randn(3, D, generator=g)
+    logp, ids = head.topk(h, 4)
+    ref_lp, ref_ids = brute_topk(h, w, {i: i for i in range(V)}, sorted(got), 4)
+    torch.testing.assert_close(logp, ref_lp)
+    assert torch.equal(ids, ref_ids)
+
+
+def test_reduced_drafter_vocab_only_adds_what_the_drafter_has():
+    g = torch.Generator().manual_seed(2)
+    row_ids = torch.randperm(V, generator=g)[:60].sort().values  # drafter row -> target id
+    w = weight(rows=60)
+    head = NanoSpecHead(w, row_ids, V, w_max=V)
+    prompt = torch.randint(0, V, (10,), generator=g)
+    plog = torch.randn(10, V, generator=g)
+    head.begin(prompt, plog)
+    seen = set(prompt.tolist()) | set(plog.topk(3, dim=-1).indices.flatten().tolist()) | feed(head, g)
+    got = check_invariants(head, w)
+    assert got == seen & set(row_ids.tolist())
+    h = torch.randn(2, D, generator=g)
+    row_of = {int(t): i for i, t in enumerate(row_ids)}
+    logp, ids = head.topk(h, 3)
+    ref_lp, ref_ids = brute_topk(h, w, row_of, sorted(got), 3)
+    torch.testing.assert_close(logp, ref_lp)
+    assert torch.equal(ids, ref_ids)
+
+
+@pytest.mark.parametrize("policy", ["stop", "lru"])
+def test_adversarial_stream_never_overflows_and_reset(policy):
+    g = torch.Generator().manual_seed(3)
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=16, policy=policy, pinned=torch.tensor([5, 6]))
+    head.begin(torch.arange(30), torch.randn(30, V, generator=g))  # Ctx alone exceeds W_max
+    after_ctx = check_invariants(head, w)
+    assert head.n == 16 and head.dropped > 0 and {5, 6} <= after_ctx
+    for r in range(12):  # every candidate new: a stream designed to overflow
+        tree = torch.arange(40 + 13 * r, 53 + 13 * r) % V
+        logits = torch.randn(13, V, generator=g)
+        head.observe(tree, logits, tree[:2].tolist())
+        got = check_invariants(head, w)
+        assert {5, 6} <= got  # pinned tokens are never evicted
+        logp, ids = head.topk(torch.randn(2, D, generator=g), 4)
+        assert set(ids.flatten().tolist()) <= got and bool((logp <= 0).all())
+    if policy == "lru":
+        assert head.evicted > 0 and set(tree[:2].tolist()) <= got  # this round's committed tokens got in
+    else:
+        assert head.evicted == 0 and got == after_ctx  # stop: a full set no longer changes
+    plog = torch.zeros(2, V).index_fill_(1, torch.tensor([7, 8, 9]), 3.0)
+    head.begin(torch.tensor([100, 101]), plog)  # a new request starts from the pinned ids only
+    assert check_invariants(head, w) == {5, 6, 7, 8, 9, 100, 101}
+    assert head.stats()["rounds"] == 0 and head.dropped == 0 and head.evicted == 0
+
+
+def test_lru_evicts_least_recently_hit():
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=4, ext_topk=0, policy="lru", sources="ext")
+    head.begin(torch.tensor([0]), None)
+
+    def round_(tree, argmax):
+        logits = torch.zeros(len(tree), V)
+        logits[torch.arange(len(tree)), torch.tensor(argmax)] = 1.0
+        head.observe(torch.tensor(tree), logits, [tree[0]])
+
+    round_([10, 11], [10, 11])  # round 1: {10, 11}
+    round_([12, 13], [12, 13])  # round 2: {10, 11, 12, 13} full
+    round_([11, 13], [11, 13])  # round 3 hits 11, 13
+    round_([20, 20], [20, 20])  # round 4: evicts the oldest hit (10, last hit in round 1)
+    assert check_invariants(head, w) == {11, 12, 13, 20}
+
+
+def test_coverage_telemetry_on_a_hand_made_sequence():
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=V, ext_topk=0, ctx_topk=0)
+    head.begin(torch.tensor([1, 2, 3]), None)
+
+    def logits_with_argmax(*ids):
+        out = torch.zeros(len(ids), V)
+        out[torch.arange(len(ids)), torch.tensor(ids)] = 1.0
+        return out
+
+    head.observe(torch.tensor([3, 4]), logits_with_argmax(5, 6), [1, 7])  # 1 in, 7 out
+    assert check_invariants(head, w) == {1, 2, 3, 4, 5, 6, 7}
+    head.observe(torch.tensor([7, 8]), logits_with_argmax(8, 9), [7, 8, 2])  # 7 and 2 in, 8 out
+    head.observe(torch.tensor([2]), logits_with_argmax(10), [99])  # out
+    trace = head.trace
+    assert [t["active"] for t in trace] == [3, 7, 9]
+    assert [t["hits"] for t in trace] == [1, 2, 0]
+    assert [t["coverage"] for t in trace] == pytest.approx([1 / 2, 3 / 5, 3 / 6])
+    st = head.stats()
+    assert st["coverage"] == pytest.approx(0.5)
+    assert st["active_mean"] == pytest.approx(19 / 3)
+    assert st["active_size"] == 11 and st["rounds"] == 3
+
+
+def test_hybrid_topk_matches_brute_force_over_the_union():
+    g = torch.Generator().manual_seed(4)
+    w = weight()
+    head = HybridHead(w, None, V, w_max=V, m=5, rank=4, escape_calls=1)
+    prompt = torch.randint(0, V, (6,), generator=g)
+    head.begin(prompt, torch.randn(6, V, generator=g))
+    feed(head, g, rounds=2)
+    got = sorted(check_invariants(head, w))
+    h = torch.randn(3, D, generator=g)
+    up, down = gram_factors(w, 4)
+    score = ((h @ down.T) @ up.T).index_fill(1, torch.tensor(got), float("-inf"))
+    esc = score.topk(5, dim=-1).indices
+    logp, ids = head.topk(h, 4)  # first call of the round: escape on
+    for b in range(3):
+        ref_lp, ref_ids = brute_topk(h[b : b + 1], w, {i: i for i in range(V)}, got + esc[b].tolist(), 4)
+        torch.testing.assert_close(logp[b : b + 1], ref_lp)
+        assert torch.equal(ids[b : b + 1], ref_ids)
+    logp2, ids2 = head.topk(h, 4)  # second call: the set only
+    ref_lp, ref_ids = brute_topk(h, w, {i: i for i in range(V)}, got, 4)
+    torch.testing.assert_close(logp2, ref_lp)
+    assert torch.equal(ids2, ref_ids)
+
+
+def test_hybrid_escape_add_all_grows_the_set():
+    g = torch.Generator().manual_seed(5)
+    w = weight()
+    head = HybridHead(w, None, V, w_max=V, m=3, scorer=LowRankScorer(*gram_factors(w, 4)), escape_add="all")
+    head.begin(torch.tensor([1, 2]), None)
+    _, ids = head.topk(torch.randn(1, D, generator=g), 2)
+    proposed = set(head._escaped[0].tolist())
+    assert len(proposed) == 3 and not proposed & {1, 2}
+    head.observe(torch.tensor([1]), torch.randn(1, V, generator=g), [2])
+    assert proposed <= check_invariants(head, w)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nanospec:0",
+        "nanospec:-3",
+        f"nanospec:{V + 1}",
+        "nanospec:abc",
+        "nanospec:64:ext_topk=x",
+        "nanospec:64:policy=fifo",
+        "nanospec:64:sources=ctx+freq",
+        "nanospec:64:gather=gpu",
+        "nanospec:64:bogus=1",
+        "nanospec:64:3",
+        "nanospec:64:ext_topk=-1",
+        "nanospec:64:freq=64",
+        "hybrid:64:rank=16",
+        "hybrid:64:rank=0",
+        "hybrid:64:m=-1",
+        "hybrid:64:escape_add=some",
+    ],
+)
+def test_bad_input_is_a_clear_error(spec):
+    with pytest.raises(SpecheadError):
+        make_head(spec, weight(), None, V)
+
+
+def test_pinned_ids_are_validated():
+    with pytest.raises(SpecheadError):
+        NanoSpecHead(weight(), None, V, w_max=8, pinned=torch.tensor([1, 1]))
+    with pytest.raises(SpecheadError):
+        NanoSpecHead(weight(), None, V, w_max=2, pinned=torch.tensor([1, 2]))
+
+
+def test_prompt_logits_must_cover_exactly_the_prompt():
+    head = NanoSpecHead(weight(), None, V, w_max=32)
+    with pytest.raises(ValueError):  # stale extra rows (the reference's bug B1) are refused, not used
+        head.begin(torch.tensor([1, 2]), torch.randn(5, V))
+
+
+LOSSLESS_SPECS = [f"nanospec:ext_topk={k}:sources={s}" for k in (0, 1, 3) for s in ("ctx+ext", "ctx", "ext")] + [
+    "nanospec:8:policy=lru",
+    "nanospec:8:policy=stop:gather=async",
+    "hybrid",
+    "hybrid:16:m=4:rank=8:escape_calls=9:escape_add=all",
+]
+
+
+@pytest.mark.parametrize("spec", LOSSLESS_SPECS)
+def test_greedy_output_equals_autoregressive(target, spec):
+    tgt = target
+    drafter = random_drafter(tgt, "eagle2", seed=0)
+    w, rows = drafter.head_weight(tgt)
+    head = make_head(spec, w, rows, tgt.config.vocab_size)
+    dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        prompt = torch.randint(0, 64, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g)
+        res = dec.generate(prompt, 30)
+        assert res.tokens == dec.generate(prompt, 30, speculative=False).tokens
+        assert 0 <= res.head_stats["coverage"] <= 1 and res.head_stats["active_size"] <= head.w_max
+        check_invariants(head, w)
+
+
+def test_greedy_lossless_with_a_reduced_vocabulary_drafter(target):
+    tgt = target
+    drafter = random_drafter(tgt, "eagle3", seed=1, draft_vocab_size=24)
+    drafter.set_draft_vocab(torch.arange(0, 64, 2)[:24])
+    w, rows = drafter.head_weight(tgt)
+    for spec in ("nanospec", "hybrid:m=4:rank=4"):
+        head = make_head(spec, w, rows, 64)
+        dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
+        prompt = torch.arange(1, 12)
+        assert dec.generate(prompt, 24).tokens == dec.generate(prompt, 24, speculative=False).tokens
+        assert check_invariants(head, w) <= set(rows.tolist())
+
+
+def test_async_and_sync_gather_agree(target):
+    tgt = target
+    drafter = random_drafter(tgt, "eagle2", seed=2)
+    w, rows = drafter.head_weight(tgt)
+    out = {}
+    for gather in ("sync", "async"):
+        head = make_head(f"nanospec:24:policy=lru:gather={gather}", w, rows, 64)
+        dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
+        res = dec.generate(torch.arange(3, 15), 30)
+        out[gather] = (res.tokens, res.accept_lengths, res.head_stats, head.trace, head.state()[0].tolist())
+    assert out["sync"] == out["async"]
+
+
+def test_lossless_with_accepted_drafts_from_a_small_set(tiny_small_vocab_dir):
+    """V=16 target where random drafts get accepted: multi-token paths drafted from a 6-id set."""
+    tgt = load_target(str(tiny_small_vocab_dir))[0]
+    drafter = random_drafter(tgt, "eagle2", seed=0)
+    w, rows = drafter.head_weight(tgt)
+    for spec in ("nanospec:6:policy=lru", "hybrid:6:m=2:rank=4"):
+        head = make_head(spec, w, rows, 16)
+        dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
+        longest = 0
+        for seed in range(3):
+            prompt = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(seed))
+            res = dec.generate(prompt, 40)
+            assert res.tokens == dec.generate(prompt, 40, speculative=False).tokens
+            longest = max(longest, *res.accept_lengths)
+            check_invariants(head, w)
+        assert longest >= 3
