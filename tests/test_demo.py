@@ -1,0 +1,30 @@
+"""Integration on the real demo target (SmolLM2-135M-Instruct): speculative output equals greedy AR."""
+
+import pytest
+
+from spechead.bench import load_suite
+from spechead.pipeline import resolve_drafter
+from spechead.tree import TreeConfig
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_demo_speculative_is_lossless(demo_session, arch):
+    s = demo_session
+    prompts = load_suite("spec-bench", limit=1, categories=["writing", "translation", "math_reasoning"])
+    drafter = resolve_drafter("random", s.target, arch)
+    ar = s.decoder()
+    for tree in (TreeConfig(4, 4, 16), TreeConfig.chain(3)):
+        spec = s.decoder(drafter, "full", tree)
+        for p in prompts:
+            ids = s.encode(p["turns"][0])
+            assert spec.generate(ids, 24).tokens == ar.generate(ids, 24, speculative=False).tokens
+
+
+def test_demo_drafter_is_lossless(demo_session):
+    """Whatever drafter ships as the demo default (trained, or random until one ships)."""
+    s = demo_session
+    dec = s.decoder(resolve_drafter("demo", s.target))
+    ids = s.encode("Give me two tips for learning to cook.")
+    res = dec.generate(ids, 32)
+    assert res.tokens == s.decoder().generate(ids, 32, speculative=False).tokens
+    assert res.stop_reason in ("max_new_tokens", "stop_token")
