@@ -314,9 +314,9 @@ def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_token
 
 # -- CLI ---------------------------------------------------------------------------------------
 def cmd_freq(args) -> int:
+    files = [f for spec in args.data for f in _expand(spec)]
     tok, V = load_any_tokenizer(args.tokenizer)
     sizes = parse_sizes(args.sizes, V)
-    files = [f for spec in args.data for f in _expand(spec)]
     counts = count_tokens(tok, files, V, args.limit)
     ranked = rank_ids(counts.double(), first=end_token_ids(tok))
     out = Path(args.out) if args.out else vocab_dirs(V)[0]
@@ -331,9 +331,6 @@ def cmd_freq(args) -> int:
 def cmd_vocabtrim(args) -> int:
     from .pipeline import Session, resolve_drafter
 
-    session = Session.open(args.target, args.max_len)
-    V = session.target.config.vocab_size
-    sizes = parse_sizes(args.sizes, V)
     if args.topk < 1:
         raise SpecheadError("--topk must be >= 1")
     prompts = []
@@ -346,6 +343,9 @@ def cmd_vocabtrim(args) -> int:
         prompts = prompts[: args.limit]
     if not prompts:
         raise SpecheadError("no prompts found: records need 'turns', 'messages', 'prompt' or 'text'")
+    session = Session.open(args.target, args.max_len)
+    V = session.target.config.vocab_size
+    sizes = parse_sizes(args.sizes, V)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     counts, mass, seen, hit = drafter_proposals(session, drafter, prompts, args.max_new_tokens, args.topk, 1024)
     ranked = rank_ids(counts.double(), tie_break=mass, first=end_token_ids(session.tokenizer))
@@ -367,6 +367,8 @@ def _expand(spec: str) -> list[str]:
         if not files:
             raise SpecheadError(f"no .jsonl or .jsonl.gz files in {p}")
         return [str(f) for f in files]
+    if not p.is_file():
+        raise SpecheadError(f"data file not found: {spec}")
     return [spec]
 
 
