@@ -7,7 +7,6 @@ import importlib
 import json
 import sys
 import time
-from pathlib import Path
 
 from .loading import SpecheadError
 
@@ -95,33 +94,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from .bench import load_suite, run_bench
-    from .pipeline import Session
-
-    prompts = load_suite(args.suite, args.limit, args.categories.split(",") if args.categories else None)
-    methods = [m for m in args.methods.split(",") if m]
-    session = Session.open(args.target, args.max_len)
-    out = run_bench(session, prompts, methods, args.drafter, args.max_new_tokens, _sampling(args), _tree(args.tree))
-    _print_table(out)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 130 if out["config"]["interrupted"] else 0
-
-
-def _print_table(out: dict) -> None:
-    cfg = out["config"]
-    print(f"{cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, {cfg['threads']} threads, tree {cfg['tree']}")
-    print(f"{'method':<22}{'tok/s':>8}{'tau':>7}{'vs ar':>8}{'vs hf':>8}{'mismatch':>10}")
-    for name, m in out["methods"].items():
-        print(
-            f"{name:<22}{m['tokens_per_s']:>8.2f}{m['tau']:>7.2f}{m.get('speedup_vs_ar', float('nan')):>8.2f}"
-            f"{m.get('speedup_vs_hf', float('nan')):>8.2f}{m.get('mismatches_vs_ar', '-'):>10}"
-        )
-
-
 def cmd_demo(args) -> int:
     from .pipeline import Session, demo_drafter_path, resolve_drafter
 
@@ -175,14 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmark methods side by side on a prompt suite")
-    b.add_argument("--suite", default="spec-bench", help="spec-bench, humaneval or a JSONL file with 'turns'")
-    b.add_argument("--limit", type=int, default=None, help="prompts per category")
-    b.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
-    b.add_argument("--methods", default="hf,ar,eagle", help="comma-separated: hf, ar, eagle[@tree]")
-    b.add_argument("--json", default=None, help="write results to this file")
-    common(b)
-    b.set_defaults(func=cmd_bench, max_new_tokens=64)
+    from .bench import add_cli as add_bench  # the bench subcommand lives next to its implementation
+
+    add_bench(sub)
 
     d = sub.add_parser("demo", help="the demo: SmolLM2-135M-Instruct, AR vs speculative, outputs compared")
     d.add_argument("--max-new-tokens", type=int, default=64)

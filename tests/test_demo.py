@@ -10,14 +10,13 @@ from spechead.tree import TreeConfig
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_demo_speculative_is_lossless(demo_session, arch):
     s = demo_session
-    prompts = load_suite("spec-bench", limit=1, categories=["writing", "translation", "math_reasoning"])
+    prompts = load_suite("spec-bench", limit=1, categories=["writing", "math_reasoning"])
     drafter = resolve_drafter("random", s.target, arch)
-    ar = s.decoder()
-    for tree in (TreeConfig(4, 4, 16), TreeConfig.chain(3)):
-        spec = s.decoder(drafter, "full", tree)
-        for p in prompts:
-            ids = s.encode(p["turns"][0])
-            assert spec.generate(ids, 24).tokens == ar.generate(ids, 24, speculative=False).tokens
+    for p in prompts:
+        ids = s.encode(p["turns"][0])
+        reference = s.decoder().generate(ids, 20, speculative=False).tokens
+        for tree in (TreeConfig(4, 4, 16), TreeConfig.chain(3)):
+            assert s.decoder(drafter, "full", tree).generate(ids, 20).tokens == reference
 
 
 def test_demo_drafter_is_lossless(demo_session):

@@ -20,6 +20,7 @@ from spechead.features import extract_features, load_chunk
 from spechead.loading import SpecheadError, load_target, load_tokenizer
 from spechead.lowrank import LowRankHead
 from spechead.model import Rotary
+from spechead.pipeline import Session
 from spechead.train import (
     ChunkCache,
     TrainConfig,
@@ -136,6 +137,12 @@ def test_lowrank_drafter_round_trips_and_stays_lossless(setup, tmp_path):
     head = LowRankHead(loaded.low_rank_head, None, target.config.vocab_size)
     spec = Decoder(target, loaded, head, TreeConfig(2, 2, 5), 256).generate(prompt, 24)
     assert spec.tokens == ref
+    # Session.decoder decodes such a drafter with its own factors ("full" = its own head; lowrank:R re-truncates)
+    session = Session(target, folder, load_tokenizer(folder), 256)
+    for spec_name, rank in (("full", 8), ("lowrank", 8), ("lowrank:4", 4)):
+        dec = session.decoder(loaded, spec_name, TreeConfig(2, 2, 5))
+        assert isinstance(dec.head, LowRankHead) and dec.head.scorer.rank == rank
+    assert dec.generate(prompt, 24).tokens == ref
 
 
 def test_training_learns_and_resume_retraces(setup, tmp_path):
