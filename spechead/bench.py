@@ -615,6 +615,8 @@ def make_report_data(
         rs = runs[s.name]
         m = summarize(rs, ar_runs, sampling.greedy)
         m["method"] = s.kind if s.kind != "spec" else s.head
+        if s.kind == "pld":  # generate() does not report its verification rounds
+            m["tau"] = m["tau_median"] = float("nan")
         cats: dict[str, list[int]] = {}
         for i, p in enumerate(done):
             cats.setdefault(p["category"], []).append(i)
