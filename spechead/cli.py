@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
     if args.method not in ("ar", "eagle"):
         raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
     sampling, tree = _sampling(args), _tree(args.tree)
-    session = Session.open(args.target, args.max_len)
+    session = Session.open(args.target, args.max_len, compile=args.compile)
     ids = session.encode(args.prompt)
     if args.method == "ar":
         dec = session.decoder()
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--top-k", type=int, default=0)
         sp.add_argument("--seed", type=int, default=None)
         sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+        sp.add_argument("--compile", action="store_true", help="torch.compile the target (one-time cost)")
 
     g = sub.add_parser("generate", help="generate a reply to one chat prompt")
     g.add_argument("--prompt", required=True)

@@ -47,10 +47,16 @@ class Session:
     max_len: int
 
     @classmethod
-    def open(cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32) -> Session:
+    def open(
+        cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32, compile: bool = False
+    ) -> Session:
+        """Load a target. ``compile`` wraps its forward in torch.compile (dynamic shapes): on the CPU this
+        removes most per-op overhead of a decode step, at the cost of a one-time compilation."""
         model, folder = load_target(target, dtype)
         max_len = min(max_len, model.config.max_position_embeddings)
         model.setup_cache(max_len)
+        if compile:
+            model.compile(dynamic=True)
         return cls(model, folder, load_tokenizer(folder), max_len)
 
     @property
