@@ -152,14 +152,15 @@ class Run:
     timers_ms: dict[str, float] = field(default_factory=dict)
     head_stats: dict[str, float] = field(default_factory=dict)
     prefill_s: float = 0.0
-    trace: list[dict[str, float]] = field(default_factory=list)  # NanoSpec/hybrid, per round
+    trace: list[dict[str, float]] = field(default_factory=list)  # NanoSpec/hybrid, per round of the first turn
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("nan")
 
     def __add__(self, other: Run) -> Run:
-        """Two turns of one prompt: tokens, times and rounds add up; the head's stats are the last turn's."""
+        """Two turns of one prompt: tokens, times and rounds add up; the head's stats are the last turn's, the
+        trace the first turn's (the head starts afresh on every request, so traces do not concatenate)."""
         timers = dict(self.timers_ms)
         for k, v in other.timers_ms.items():
             timers[k] = timers.get(k, 0.0) + v
@@ -170,7 +171,7 @@ class Run:
             timers,
             other.head_stats or self.head_stats,
             self.prefill_s + other.prefill_s,
-            self.trace + other.trace,
+            self.trace or other.trace,
         )
 
 

@@ -1,0 +1,238 @@
+"""The benchmark harness: suites, MT two-turn prompts, aggregation, the speedup model, the report, Ctrl-C.
+
+Most tests drive ``bench_loop`` with scripted runners (exact, fast); one runs the real engine on the
+demo model to check the whole path, including losslessness across both turns of an MT-bench prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from spechead.bench import (
+    MT_BENCH,
+    MethodSpec,
+    Run,
+    add_speedup_model,
+    bench_loop,
+    expand_methods,
+    load_suite,
+    make_report_data,
+    run_prompt,
+    speedup_model,
+    write_outputs,
+)
+from spechead.loading import SpecheadError
+from spechead.report import nanospec_options, write_report
+from spechead.sampling import SamplingConfig
+from spechead.tree import TreeConfig
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
+FIRST_KEYS = {
+    "prompts",
+    "tokens_per_s",
+    "tokens_per_s_median",
+    "new_tokens",
+    "tau",
+    "round_ms",
+    "per_category",
+    "speedup_vs_ar",
+    "speedup_vs_hf",
+}
+
+
+def encode(messages):
+    """A fake chat encoder: one id per character count of each message (enough to tell turns apart)."""
+    return [len(m["content"]) % 50 + 1 for m in messages]
+
+
+def decode(tokens):
+    return " ".join(map(str, tokens))
+
+
+class Scripted:
+    """A runner returning a fixed answer per call; wall time and per-round timers are made up but exact."""
+
+    def __init__(self, tokens, wall, accept, timers=None, head_stats=None, trace=None, fail_at=None):
+        self.tokens, self.wall, self.accept = tokens, wall, accept
+        self.timers, self.head_stats, self.trace = timers or {}, head_stats or {}, trace or []
+        self.calls, self.seen, self.fail_at = 0, [], fail_at
+
+    def __call__(self, ids, max_new, sampling):
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise KeyboardInterrupt
+        self.seen.append(list(ids))
+        return Run(
+            list(self.tokens), self.wall, list(self.accept), dict(self.timers), dict(self.head_stats), 0.01,
+            list(self.trace),
+        )  # fmt: skip
+
+
+PROMPTS = [
+    {"id": 1, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+    {"id": 2, "category": "roleplay", "turns": ["Be a pirate.", "Say hi."]},
+    {"id": 3, "category": "qa", "turns": ["Capital of France?"]},
+]
+
+
+def fake_run(interrupt_at=None):
+    spec_timers = {"backbone": 2.0, "head": 4.0, "gather": 0.0, "verify": 6.0}
+    nano_timers = {"backbone": 2.0, "head": 0.5, "gather": 0.5, "verify": 6.0}
+    trace = [{"active": 100.0, "coverage": 0.5}, {"active": 120.0, "coverage": 0.75}]
+    runners = {
+        "hf": Scripted([5, 6, 7, 8], 2.0, [1, 1, 1]),
+        "ar": Scripted([5, 6, 7, 8], 1.0, [1, 1, 1]),
+        "eagle": Scripted([5, 6, 7, 8], 0.5, [2, 2], spec_timers, fail_at=interrupt_at),
+        "nanospec": Scripted([5, 6, 7, 8], 0.4, [2, 2], nano_timers, {"active_size": 120.0, "coverage": 0.75}, trace),
+    }
+    results = bench_loop(runners, PROMPTS, encode, decode, 8, SamplingConfig(), progress=False, warmup=0)
+    specs = [MethodSpec.parse(m, TREE) for m in runners]
+    return runners, make_report_data(results, PROMPTS, specs, SamplingConfig(), TREE)
+
+
+def test_json_keeps_first_version_keys_and_adds_the_new_ones():
+    _, out = fake_run()
+    assert out["config"]["prompts"] == 3 and out["config"]["interrupted"] is False
+    for name, m in out["methods"].items():
+        assert FIRST_KEYS <= set(m), name
+        assert {"decode_tokens_per_s", "tau_median", "per_prompt", "prefill_ms"} <= set(m)
+        assert m["mismatches_vs_ar"] == 0
+    m = out["methods"]["eagle"]
+    # two turns for MT prompts: 8 tokens over 1.0 s; one turn for qa: 4 tokens over 0.5 s; mean over prompts
+    assert m["tokens_per_s"] == pytest.approx(8.0)
+    assert m["speedup_vs_ar"] == pytest.approx(2.0) and m["speedup_vs_hf"] == pytest.approx(4.0)
+    assert m["round_ms"] == {"backbone": 1.0, "head": 2.0, "gather": 0.0, "verify": 3.0}  # each call: 2 rounds
+    assert m["tau"] == 2.0 and m["new_tokens"] == 20
+    assert json.loads(json.dumps(out, allow_nan=True))  # serialisable
+
+
+def test_mt_prompts_run_both_turns_with_the_models_own_answer():
+    runner = Scripted([11, 12], 1.0, [1])
+    run = run_prompt(runner, PROMPTS[0], encode, decode, 8, SamplingConfig())
+    assert runner.calls == 2
+    first, second = runner.seen
+    assert first == encode([{"role": "user", "content": "Write a poem."}])
+    assert second == encode(
+        [
+            {"role": "user", "content": "Write a poem."},
+            {"role": "assistant", "content": decode([11, 12])},
+            {"role": "user", "content": "Now shorter."},
+        ]
+    )
+    assert run.tokens == [11, 12, 11, 12] and run.wall_s == 2.0 and run.accept_lengths == [1, 1]
+
+
+def test_mt_categories_are_merged_into_the_mt_group():
+    _, out = fake_run()
+    pc = out["methods"]["ar"]["per_category"]
+    assert set(pc) == {"writing", "roleplay", "qa", "MT"}
+    assert pc["MT"]["prompts"] == 2 and pc["qa"]["prompts"] == 1
+    assert pc["MT"]["tokens_per_s"] == pytest.approx(4.0)  # 8 tokens / 2 s per MT prompt
+    assert out["methods"]["eagle"]["per_category"]["MT"]["speedup_vs_ar"] == pytest.approx(2.0)
+    ev = out["methods"]["nanospec"]["per_category"]["MT"]["evolution"]
+    assert ev["active"][:2] == [100.0, 120.0] and ev["n"][0] == 2
+
+
+def test_speedup_model_arithmetic():
+    assert speedup_model(0.5, 0.1, 0.9) == pytest.approx(0.9 * 1.5 / 1.05)
+    assert speedup_model(0.3, 1.0, 1.0) == pytest.approx(1.0)
+    _, out = fake_run()
+    sm = out["speedup_model"]
+    # eagle: head 2 ms per round over a rest of 1 + 3 ms; nanospec: head + gather 0.5 ms -> nu 0.25; same tau
+    assert sm["kappa"]["eagle"] == pytest.approx(0.5)
+    v = sm["methods"]["nanospec"]
+    assert v["nu"] == pytest.approx(0.25) and v["rho_tau"] == pytest.approx(1.0)
+    assert v["predicted"] == pytest.approx(1.5 / 1.125)
+    assert v["rest_ratio"] == pytest.approx(1.0)
+    assert "eagle" not in sm["methods"]
+
+
+def test_speedup_model_uses_the_matching_full_head():
+    summary = {
+        "eagle3": {"round_ms": {"backbone": 1, "head": 2, "verify": 3}, "tau": 2.0, "rounds": 5,
+                   "decode_tokens_per_s": 10.0, "tokens_per_s": 9.0},
+        "lowrank": {"round_ms": {"backbone": 1, "head": 1, "verify": 3}, "tau": 1.8, "rounds": 5,
+                    "decode_tokens_per_s": 11.0, "tokens_per_s": 10.0},
+    }  # fmt: skip
+    specs = [MethodSpec.parse("eagle3", TREE), MethodSpec.parse("lowrank", TREE)]
+    sm = add_speedup_model(summary, specs)
+    v = sm["methods"]["lowrank"]
+    assert v["reference"] == "eagle3" and sm["kappa"]["eagle3"] == pytest.approx(0.5)
+    assert v["nu"] == pytest.approx(0.5) and v["rho_tau"] == pytest.approx(0.9)
+    assert v["measured"] == pytest.approx(1.1)
+
+
+def test_report_files_from_a_small_result(tmp_path):
+    _, out = fake_run()
+    path = write_report(out, tmp_path)
+    text = path.read_text()
+    assert "| nanospec |" in text and "Speedup model" in text and "| MT |" in text
+    for png in ("speed_tau.png", "nu_rho.png", "vocab_evolution.png", "latency.png"):
+        assert (tmp_path / png).is_file() and 0 < (tmp_path / png).stat().st_size < 200_000
+        assert f"]({png})" in text
+    assert not (tmp_path / "wmax_sweep.png").exists()  # no nanospec sweep in this run
+
+
+def test_wmax_sweep_plot_and_option_parsing(tmp_path):
+    assert nanospec_options("nanospec") == (None, "ctx+ext")
+    assert nanospec_options("nanospec:1024") == (1024, "ctx+ext")
+    assert nanospec_options("nanospec:sources=ext@4,4,16") == (None, "ext")
+    assert nanospec_options("nanospec:1024:policy=lru") is None and nanospec_options("fr:8192") is None
+    _, out = fake_run()
+    base = out["methods"]["nanospec"]
+    for name, tau in (("nanospec:512", 1.5), ("nanospec:1024", 1.8), ("nanospec:sources=ctx", 1.6)):
+        out["methods"][name] = {**base, "tau": tau}
+    write_report(out, tmp_path)
+    assert (tmp_path / "wmax_sweep.png").is_file()
+
+
+def test_ctrl_c_keeps_finished_prompts_and_writes_partial_results(tmp_path):
+    runners, out = fake_run(interrupt_at=3)  # eagle's third call: the second prompt's first turn... of 2+2+1
+    assert out["config"]["interrupted"] is True
+    assert out["config"]["prompts"] == 1 and [p["id"] for p in out["prompts"]] == [1]
+    assert all(m["prompts"] == 1 for m in out["methods"].values())
+    assert runners["nanospec"].calls == 2  # nanospec never started the interrupted prompt
+    write_outputs(out, str(tmp_path / "b.json"), str(tmp_path / "rep"))
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["config"]["interrupted"] is True and FIRST_KEYS <= set(saved["methods"]["eagle"])
+    assert "Interrupted" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_method_parsing_and_presets():
+    assert MethodSpec.parse("hf-pld:4", TREE).pld == 4 and MethodSpec.parse("hf-pld", TREE).kind == "pld"
+    s = MethodSpec.parse("nanospec:1024@chain:3", TREE)
+    assert (s.kind, s.head, s.tree.total_tokens, s.reference) == ("spec", "nanospec:1024", 4, "eagle")
+    assert MethodSpec.parse("lowrank", TREE).reference == "eagle3"
+    with pytest.raises(SpecheadError):
+        MethodSpec.parse("hf-pld:x", TREE)
+    ms = expand_methods("ar,main,eagle")
+    assert ms[0] == "ar" and ms.count("eagle") == 1 and {"hf-pld", "nanospec", "hybrid", "lowrank"} <= set(ms)
+
+
+def test_spec_bench_suite_selection():
+    mt = load_suite("spec-bench", limit=1, categories=["MT"])
+    assert [p["category"] for p in mt] == list(MT_BENCH) and all(len(p["turns"]) == 2 for p in mt)
+    both = load_suite("spec-bench,humaneval", limit=2, categories=["qa", "code"])
+    assert [p["category"] for p in both] == ["qa", "qa", "code", "code"]
+
+
+def test_demo_bench_is_lossless_over_two_turns(demo_session):
+    from spechead.bench import run_bench
+
+    prompts = [{"id": 81, "category": "writing", "turns": ["Say hello.", "Again, in French."]}]
+    out = run_bench(
+        demo_session, prompts, ["ar", "eagle", "nanospec"], "random", 6, progress=False, warmup=0,
+        drafters={"eagle3": "random", "lowrank": "random"},
+    )  # fmt: skip
+    for name in ("eagle", "nanospec"):
+        m = out["methods"][name]
+        assert m["mismatches_vs_ar"] == 0 and m["new_tokens"] == out["methods"]["ar"]["new_tokens"]
+        assert m["extra_bytes"] >= 0 and set(m["round_ms"]) >= {"backbone", "head", "verify"}
+    nano = out["methods"]["nanospec"]
+    assert nano["head_stats"]["active_size"] > 0 and not math.isnan(nano["head_stats"]["coverage"])
+    # both turns ran (up to 6 tokens each); the vocabulary evolution follows the first turn's rounds
+    ev = nano["per_category"]["MT"]["evolution"]
+    assert nano["per_prompt"][0]["new_tokens"] > 6 and 0 < len(ev["active"]) < nano["rounds"]
