@@ -224,15 +224,15 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
 
     prompts = [{"id": 81, "category": "writing", "turns": ["Say hello.", "Again, in French."]}]
     out = run_bench(
-        demo_session, prompts, ["ar", "eagle", "nanospec"], "random", 6, progress=False, warmup=0,
+        demo_session, prompts, ["ar", "nanospec"], "random", 4, progress=False, warmup=0,
         drafters={"eagle3": "random", "lowrank": "random"},
     )  # fmt: skip
-    for name in ("eagle", "nanospec"):
+    for name in ("nanospec",):
         m = out["methods"][name]
         assert m["mismatches_vs_ar"] == 0 and m["new_tokens"] == out["methods"]["ar"]["new_tokens"]
         assert m["extra_bytes"] >= 0 and set(m["round_ms"]) >= {"backbone", "head", "verify"}
     nano = out["methods"]["nanospec"]
     assert nano["head_stats"]["active_size"] > 0 and not math.isnan(nano["head_stats"]["coverage"])
-    # both turns ran (up to 6 tokens each); the vocabulary evolution follows the first turn's rounds
+    # both turns ran (up to 4 tokens each); the vocabulary evolution follows the first turn's rounds
     ev = nano["per_category"]["MT"]["evolution"]
-    assert nano["per_prompt"][0]["new_tokens"] > 6 and 0 < len(ev["active"]) < nano["rounds"]
+    assert nano["per_prompt"][0]["new_tokens"] > 4 and 0 < len(ev["active"]) < nano["rounds"]
