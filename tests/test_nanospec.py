@@ -318,3 +318,15 @@ def test_lossless_with_accepted_drafts_from_a_small_set(tiny_small_vocab_dir):
             longest = max(longest, *res.accept_lengths)
             check_invariants(head, w)
         assert longest >= 3
+
+
+def test_oracle_replay_gives_the_full_head_every_token(target):
+    """The replay's drafter state is the target's own: the full head drafts every token (tau = depth + 1)."""
+    from types import SimpleNamespace
+
+    from spechead.nanospec import oracle_replay
+
+    target.setup_cache(256)
+    res = oracle_replay(SimpleNamespace(target=target), [[3, 4, 5, 6]], ["full", "nanospec:8"], tokens=12, depth=3)
+    assert res["full"]["tau"] == 4.0
+    assert 1.0 <= res["nanospec:8"]["tau"] <= 4.0 and res["nanospec:8"]["active_size"] <= 8
