@@ -63,18 +63,23 @@ def suite_path(suite: str) -> Path:
     return path
 
 
-def load_suite(suite: str, limit: int | None = None, categories: list[str] | None = None) -> list[dict[str, Any]]:
-    """Records with ``turns`` (and ``category``); ``limit`` applies per category, in file order.
-    ``suite`` may list several suites separated by commas (``spec-bench,humaneval``)."""
+def load_suite(
+    suite: str, limit: int | None = None, categories: list[str] | None = None, limit_mt: int | None = None
+) -> list[dict[str, Any]]:
+    """Records with ``turns`` (and ``category``); ``limit`` applies per category, in file order, and
+    ``limit_mt`` (default: ``limit``) to each MT-bench category, so that the MT group can get about as
+    many prompts as the other groups. ``suite`` may list several suites (``spec-bench,humaneval``)."""
     rows: list[dict[str, Any]] = []
     for one in suite.split(","):
-        rows += _load_one(one.strip(), limit, categories)
+        rows += _load_one(one.strip(), limit, categories, limit if limit_mt is None else limit_mt)
     if not rows:
         raise SpecheadError(f"no prompts selected from {suite}" + (f" (categories {categories})" if categories else ""))
     return rows
 
 
-def _load_one(suite: str, limit: int | None, categories: list[str] | None) -> list[dict[str, Any]]:
+def _load_one(
+    suite: str, limit: int | None, categories: list[str] | None, limit_mt: int | None
+) -> list[dict[str, Any]]:
     rows, per_cat = [], {}
     for n, line in enumerate(suite_path(suite).read_text().splitlines(), 1):
         if not line.strip():
@@ -89,7 +94,8 @@ def _load_one(suite: str, limit: int | None, categories: list[str] | None) -> li
         cat = rec.get("category", "default")
         if categories and cat not in categories and not ("MT" in categories and cat in MT_BENCH):
             continue
-        if limit is not None and per_cat.get(cat, 0) >= limit:
+        cap = limit_mt if cat in MT_BENCH else limit
+        if cap is not None and per_cat.get(cat, 0) >= cap:
             continue
         per_cat[cat] = per_cat.get(cat, 0) + 1
         rows.append({"id": rec.get("question_id", rec.get("id", n)), "category": cat, "turns": turns})
@@ -732,7 +738,8 @@ def write_outputs(out: dict[str, Any], json_path: str | None, report_dir: str | 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    prompts = load_suite(args.suite, args.limit, args.categories.split(",") if args.categories else None)
+    cats = args.categories.split(",") if args.categories else None
+    prompts = load_suite(args.suite, args.limit, cats, args.limit_mt)
     methods = expand_methods(args.methods)
     if not methods:
         raise SpecheadError("no methods given")
@@ -756,6 +763,7 @@ def add_cli(sub) -> None:
     b = sub.add_parser("bench", help="benchmark methods side by side on a prompt suite")
     b.add_argument("--suite", default="spec-bench", help="spec-bench, humaneval, a JSONL file with 'turns', or a,b")
     b.add_argument("--limit", type=int, default=None, help="prompts per category")
+    b.add_argument("--limit-mt", type=int, default=None, help="prompts per MT-bench category (default: --limit)")
     b.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
     b.add_argument(
         "--methods",

@@ -217,6 +217,8 @@ def test_spec_bench_suite_selection():
     assert [p["category"] for p in mt] == list(MT_BENCH) and all(len(p["turns"]) == 2 for p in mt)
     both = load_suite("spec-bench,humaneval", limit=2, categories=["qa", "code"])
     assert [p["category"] for p in both] == ["qa", "qa", "code", "code"]
+    mixed = load_suite("spec-bench", limit=3, categories=["writing", "stem", "rag"], limit_mt=1)
+    assert [p["category"] for p in mixed] == ["writing", "stem", "rag", "rag", "rag"]
 
 
 def test_demo_bench_is_lossless_over_two_turns(demo_session):
