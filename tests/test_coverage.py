@@ -18,8 +18,10 @@ def test_record_coverage_by_hand():
     assert cov["ext"] == (1, 2)  # 2 added, 5 added, 5 hit, then the set is full
     assert cov["ctx+ext"] == (1, 2)  # full with {3, 2} from the start: 2 hits, nothing more fits
     assert cov["ctx+ext+top512"] == (3, 2)  # the frequent ids pinned first fill both slots
+    assert cov["static@same"] == (3, 2)  # ctx+ext reached 2 ids: the static top-2
     big = record_coverage(context, output, ranked, 10)
     assert big["ctx"] == (1, 3) and big["ext"] == (1, 4) and big["ctx+ext"] == (2, 6)
+    assert big["static@same"] == (3, 4)  # ctx+ext reached 6 ids; the list only has 4
     assert big["ctx+ext+top512"] == (4, 8)  # {5,4,7,8} + {3,2,1}, then 9 added: 2, 5, 5, 4 hit
 
 
