@@ -466,6 +466,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mb() -> float:
+    """Current resident memory (Linux /proc; NaN elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return pages * resource.getpagesize() / 2**20
+
+
 def build_runners(
     session: Session,
     specs: list[MethodSpec],
@@ -480,14 +489,16 @@ def build_runners(
     loaded: dict[str, Any] = {}
     hf_model = None
     for s in specs:
+        before = rss_mb()
         try:
             if s.kind in ("hf", "pld"):
                 runner = HFRunner(session, s.pld if s.kind == "pld" else 0, hf_model)
                 hf_model = runner.model
-                runners[s.name], info[s.name] = runner, {"kind": s.kind}
+                runners[s.name], info[s.name] = runner, {"kind": s.kind, "rss_added_mb": rss_mb() - before}
                 continue
             if s.kind == "ar":
-                runners[s.name], info[s.name] = engine_runner(session.decoder(), False), {"kind": "ar"}
+                runners[s.name] = engine_runner(session.decoder(), False)
+                info[s.name] = {"kind": "ar", "rss_added_mb": rss_mb() - before}
                 continue
             drafter, where = _drafter(session, s.drafter, drafters, loaded)
             head = s.head
@@ -503,6 +514,7 @@ def build_runners(
                 "tree": vars(s.tree),
                 "extra_bytes": int(dec.head.extra_bytes()),
                 "drafter_bytes": sum(p.numel() * p.element_size() for p in drafter.parameters()),
+                "rss_added_mb": rss_mb() - before,  # what building it added (a drafter counts once, first use)
             }
         except SpecheadError as e:
             skipped[s.name] = str(e)

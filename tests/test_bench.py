@@ -232,7 +232,7 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
     for name in ("nanospec",):
         m = out["methods"][name]
         assert m["mismatches_vs_ar"] == 0 and m["new_tokens"] == out["methods"]["ar"]["new_tokens"]
-        assert m["extra_bytes"] >= 0 and set(m["round_ms"]) >= {"backbone", "head", "verify"}
+        assert m["extra_bytes"] > 0 and "rss_added_mb" in m and set(m["round_ms"]) >= {"backbone", "head", "verify"}
     nano = out["methods"]["nanospec"]
     assert nano["head_stats"]["active_size"] > 0 and not math.isnan(nano["head_stats"]["coverage"])
     # both turns ran (up to 4 tokens each); the vocabulary evolution follows the first turn's rounds
