@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -764,8 +765,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
         progress=not args.quiet, warmup=args.warmup, drafters=drafters, heads_json=heads_json,
     )  # fmt: skip
-    out["config"]["command"] = "spechead " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("spechead") else None
+    out["config"]["command"] = "spechead " + shlex.join(sys.argv[1:])
     out["config"]["suite"] = args.suite
+    if args.note:
+        out["config"]["note"] = args.note
     print(format_table(out))
     write_outputs(out, args.json, args.report)
     return 130 if out["config"]["interrupted"] else 0
@@ -801,4 +804,5 @@ def add_cli(sub) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     b.add_argument("--warmup", type=int, default=1, help="prompts run (turn 1, 16 tokens) before timing")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
     b.set_defaults(func=cmd_bench)

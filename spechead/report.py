@@ -221,6 +221,8 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 def markdown(out: dict[str, Any], images: list[str]) -> str:
     cfg = out["config"]
     lines = ["# spechead bench report", ""]
+    if cfg.get("note"):
+        lines += [f"**{cfg['note']}**", ""]
     if cfg.get("interrupted"):
         lines += ["**Interrupted: partial results over the prompts every method finished.**", ""]
     lines += [
