@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .bench import MT_BENCH
 from .loading import SpecheadError
 
 PHASES = (("backbone", "drafter backbone"), ("head", "draft head"), ("gather", "gather"), ("verify", "verification"))
@@ -131,12 +132,14 @@ def plot_evolution(out: dict[str, Any], path: Path) -> bool:
     pc = out["methods"][name]["per_category"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for c, cm in pc.items():
+        if c in MT_BENCH and "MT" in pc:  # MT-bench categories are drawn as their group
+            continue
         ev = cm.get("evolution")
         if not ev or not ev["active"]:
             continue
         x = range(1, len(ev["active"]) + 1)
-        axes[0].plot(x, ev["active"], label=c, lw=1.8 if c == "MT" else 1)
-        axes[1].plot(x, ev["coverage"], label=c, lw=1.8 if c == "MT" else 1)
+        axes[0].plot(x, ev["active"], label=c)
+        axes[1].plot(x, ev["coverage"], label=c)
     axes[0].set_xlabel("decoding round")
     axes[0].set_ylabel("active vocabulary size")
     axes[1].set_xlabel("decoding round")
