@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import shlex
 import statistics
@@ -738,10 +739,21 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def jsonable(x: Any) -> Any:
+    """Strict JSON: NaN and infinities (a figure that does not apply) become null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    return x
+
+
 def write_outputs(out: dict[str, Any], json_path: str | None, report_dir: str | None) -> None:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=1))
+        Path(json_path).write_text(json.dumps(jsonable(out), indent=1, allow_nan=False))
         print(f"wrote {json_path}", file=sys.stderr)
     if report_dir:
         from .report import write_report

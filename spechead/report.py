@@ -318,8 +318,23 @@ def markdown(out: dict[str, Any], images: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nan(x: Any) -> Any:
+    """null (a figure that does not apply, as saved in the JSON) back to NaN for plotting."""
+    if x is None:
+        return float("nan")
+    if isinstance(x, dict):
+        return {k: _nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan(v) for v in x]
+    return x
+
+
 def write_report(out: dict[str, Any], folder: Path) -> Path:
     """Write ``report.md`` and the plots into ``folder``; returns the Markdown file's path."""
+    out = {**out, "methods": _nan(out["methods"])}
+    for key in ("speedup_model", "projection_llama3.1-8b"):
+        if key in out:
+            out[key] = _nan(out[key])
     folder.mkdir(parents=True, exist_ok=True)
     images = []
     for fn, fname in (

@@ -196,7 +196,7 @@ def test_ctrl_c_keeps_finished_prompts_and_writes_partial_results(tmp_path):
     assert all(m["prompts"] == 1 for m in out["methods"].values())
     assert runners["nanospec"].calls == 2  # nanospec never started the interrupted prompt
     write_outputs(out, str(tmp_path / "b.json"), str(tmp_path / "rep"))
-    saved = json.loads((tmp_path / "b.json").read_text())
+    saved = json.loads((tmp_path / "b.json").read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert saved["config"]["interrupted"] is True and FIRST_KEYS <= set(saved["methods"]["eagle"])
     assert "Interrupted" in (tmp_path / "rep" / "report.md").read_text()
 
