@@ -571,13 +571,22 @@ def run_bench(
         {
             "target": str(session.folder),
             "drafter": drafter_spec,
-            "drafters": {k: info[s.name].get("drafter") for s in specs for k in [s.name] if "drafter" in info[s.name]},
+            "drafters": _by_drafter(specs, info),
             "max_new_tokens": max_new_tokens,
             "skipped": skipped,
         }
     )
     for s in specs:
         out["methods"][s.name].update({k: v for k, v in info[s.name].items() if k != "kind"})
+    return out
+
+
+def _by_drafter(specs: list[MethodSpec], info: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """{drafter: [methods using it]}."""
+    out: dict[str, list[str]] = {}
+    for s in specs:
+        if "drafter" in info[s.name]:
+            out.setdefault(info[s.name]["drafter"], []).append(s.name)
     return out
 
 
