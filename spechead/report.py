@@ -194,6 +194,7 @@ def plot_wmax(out: dict[str, Any], path: Path, default_w: int = 3072) -> bool:
     if sweep:
         ax.plot([s[0] for s in sweep], [s[1] for s in sweep], "o-", color="C0", label="tau")
         ax.set_xscale("log", base=2)
+        ax.set_xticks([s[0] for s in sweep], [str(s[0]) for s in sweep])
         ax.set_xlabel("W_max")
         ax.set_ylabel("tau", color="C0")
         ax2 = ax.twinx()
