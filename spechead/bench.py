@@ -143,10 +143,29 @@ class MethodSpec:
         return "eagle" if self.drafter == "eagle2" else "eagle3"
 
 
+def check_methods(methods: list[str], tree: TreeConfig) -> list[MethodSpec]:
+    """Parse every method before any model loads; an unknown name is a typo, not a method to skip."""
+    from .heads import HEADS, _load_head_modules
+
+    _load_head_modules()
+    specs = [MethodSpec.parse(m, tree) for m in methods]
+    for s in specs:
+        if s.kind == "spec" and s.head.partition(":")[0] not in HEADS:
+            known = "hf, hf-pld, ar, eagle, eagle3, " + ", ".join(sorted(HEADS))
+            raise SpecheadError(f"unknown method {s.name!r}; known: {known}, presets {', '.join(PRESETS)}")
+    if len({s.name for s in specs}) != len(specs):
+        raise SpecheadError("duplicate method names")
+    return specs
+
+
 def expand_methods(text: str) -> list[str]:
+    """Method names with presets expanded; a method a preset repeats runs once, a name given twice is an error."""
     out: list[str] = []
-    for m in (m.strip() for m in text.split(",")):
-        for x in PRESETS[m].split(",") if m in PRESETS else [m] if m else []:
+    given = [m.strip() for m in text.split(",") if m.strip()]
+    for m in given:
+        if m not in PRESETS and given.count(m) > 1:
+            raise SpecheadError(f"duplicate method {m!r}")
+        for x in PRESETS[m].split(",") if m in PRESETS else [m]:
             if x not in out:
                 out.append(x)
     return out
@@ -556,9 +575,7 @@ def run_bench(
 
     sampling = sampling or SamplingConfig()
     tree = tree or DEFAULT_TREE
-    specs = [MethodSpec.parse(m, tree) for m in methods]
-    if len({s.name for s in specs}) != len(specs):
-        raise SpecheadError("duplicate method names")
+    specs = check_methods(methods, tree)
     drafters = {"eagle2": drafter_spec, "eagle3": drafter_spec, "lowrank": drafter_spec, **(drafters or {})}
     log = (lambda msg: tqdm.write(msg, file=sys.stderr)) if progress else (lambda msg: None)
     runners, info, skipped = build_runners(session, specs, drafters, log)
@@ -777,9 +794,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = expand_methods(args.methods)
     if not methods:
         raise SpecheadError("no methods given")
-    session = Session.open(args.target, args.max_len)
-    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     tree = TreeConfig.parse(args.tree) if args.tree else None
+    from .pipeline import DEFAULT_TREE
+
+    check_methods(methods, tree or DEFAULT_TREE)
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    session = Session.open(args.target, args.max_len)
     drafters = {"eagle3": args.eagle3_drafter, "lowrank": args.lowrank_drafter}
     heads_json = Path(args.heads_json) if args.heads_json else None
     out = run_bench(

@@ -153,11 +153,14 @@ def load_records(suite: str, limit: int | None, categories: list[str] | None) ->
     """(category, context text, output text, where the output came from) per suite record."""
     rows, per_cat = [], {}
     for one in suite.split(","):
-        for line in suite_path(one.strip()).read_text().splitlines():
+        for n, line in enumerate(suite_path(one.strip()).read_text().splitlines(), 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            cat, turns = rec.get("category", "default"), rec.get("turns") or []
+            try:
+                rec = json.loads(line)
+                cat, turns = rec.get("category", "default"), rec.get("turns") or []
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise SpecheadError(f"{one}:{n}: not a JSON record ({e})") from e
             if categories and cat not in categories and not ("MT" in categories and cat in MT_BENCH):
                 continue
             if limit is not None and per_cat.get(cat, 0) >= limit:

@@ -238,3 +238,22 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
     # both turns ran (up to 4 tokens each); the vocabulary evolution follows the first turn's rounds
     ev = nano["per_category"]["MT"]["evolution"]
     assert nano["per_prompt"][0]["new_tokens"] > 4 and 0 < len(ev["active"]) < nano["rounds"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--methods", "ar,nope"], "unknown method 'nope'"),
+        (["bench", "--methods", "ar,ar"], "duplicate method"),
+        (["bench", "--methods", "hf-pld:0"], "hf-pld:N"),
+        (["bench", "--categories", "no-such-category"], "no prompts selected"),
+        (["coverage", "--tokenizer", "/no/such/tokenizer.json"], "tokenizer not found"),
+        (["coverage", "--tokenizer", "demo", "--sizes", "a,b"], "--sizes"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):
+    from spechead.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spechead: error") and message in err[0], err
