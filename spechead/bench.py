@@ -545,11 +545,16 @@ def build_runners(
 
 def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str, Any]) -> tuple[Any, str]:
     """(drafter, where it came from) for eagle2 / eagle3 / lowrank; ``demo`` falls back to a seeded random
-    drafter (tau ~ 1) while no trained demo drafter ships."""
+    drafter (tau ~ 1) while no trained demo drafter ships. Without a low-rank demo drafter, ``lowrank``
+    decodes the EAGLE-3 drafter (its twin) with an SVD head, so the nu / rho_tau comparison stays fair."""
     if kind in cache:
         return cache[kind]
     spec = specs.get(kind, "demo")
     arch = "eagle2" if kind == "eagle2" else "eagle3"
+    if spec == "demo" and kind == "lowrank" and demo_drafter_path(LOWRANK_DEMO) is None:
+        drafter, where = _drafter(session, "eagle3", specs, cache)
+        cache[kind] = (drafter, where + " (no low-rank drafter: SVD factors of its head)")
+        return cache[kind]
     if spec == "demo":
         path = demo_drafter_path(LOWRANK_DEMO if kind == "lowrank" else arch)
         spec = str(path) if path else "random"

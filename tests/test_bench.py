@@ -257,3 +257,16 @@ def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("spechead: error") and message in err[0], err
+
+
+def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypatch):
+    from types import SimpleNamespace
+
+    import spechead.bench as bench
+
+    monkeypatch.setattr(bench, "demo_drafter_path", lambda arch="eagle2": None)
+    session, cache = SimpleNamespace(target=tiny_target), {}
+    specs = {"eagle2": "random", "eagle3": "random", "lowrank": "demo"}
+    low, where = bench._drafter(session, "lowrank", specs, cache)
+    assert low is bench._drafter(session, "eagle3", specs, cache)[0] and "SVD" in where
+    assert low.arch == "eagle3" and bench._drafter(session, "eagle2", specs, cache)[0].arch == "eagle2"
