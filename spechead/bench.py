@@ -180,6 +180,7 @@ class Run:
     head_stats: dict[str, float] = field(default_factory=dict)
     prefill_s: float = 0.0
     trace: list[dict[str, float]] = field(default_factory=list)  # NanoSpec/hybrid, per round of the first turn
+    turns: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -199,6 +200,7 @@ class Run:
             other.head_stats or self.head_stats,
             self.prefill_s + other.prefill_s,
             self.trace or other.trace,
+            self.turns + other.turns,
         )
 
 
@@ -283,7 +285,8 @@ def summarize(runs: list[Run], ar_runs: list[Run] | None = None, greedy: bool = 
     """Spec-Bench's aggregation: tokens/s per prompt, then the mean (and median) over prompts; tau
     pooled over every round; per-round milliseconds = phase total / rounds."""
     tps = [len(r.tokens) / r.wall_s for r in runs if r.wall_s > 0]
-    dec = [max(len(r.tokens) - 1, 0) / (r.wall_s - r.prefill_s) for r in runs if r.wall_s - r.prefill_s > 0]
+    # decode-only: each turn's first token comes out of its prefill
+    dec = [max(len(r.tokens) - r.turns, 0) / (r.wall_s - r.prefill_s) for r in runs if r.wall_s - r.prefill_s > 0]
     acc = [a for r in runs for a in r.accept_lengths]
     out: dict[str, Any] = {
         "prompts": len(runs),

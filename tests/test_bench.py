@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -106,6 +107,8 @@ def test_json_keeps_first_version_keys_and_adds_the_new_ones():
     assert m["speedup_vs_ar"] == pytest.approx(2.0) and m["speedup_vs_hf"] == pytest.approx(4.0)
     assert m["round_ms"] == {"backbone": 1.0, "head": 2.0, "gather": 0.0, "verify": 3.0}  # each call: 2 rounds
     assert m["tau"] == 2.0 and m["new_tokens"] == 20
+    # decode-only: per turn 3 tokens after the prefill's first over 0.49 s
+    assert m["decode_tokens_per_s"] == pytest.approx(statistics.mean([6 / 0.98, 6 / 0.98, 3 / 0.49]))
     assert json.loads(json.dumps(out, allow_nan=True))  # serialisable
 
 
@@ -123,6 +126,7 @@ def test_mt_prompts_run_both_turns_with_the_models_own_answer():
         ]
     )
     assert run.tokens == [11, 12, 11, 12] and run.wall_s == 2.0 and run.accept_lengths == [1, 1]
+    assert run.turns == 2 and run.prefill_s == pytest.approx(0.02)
 
 
 def test_mt_categories_are_merged_into_the_mt_group():
