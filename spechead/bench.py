@@ -553,7 +553,7 @@ def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str
     if kind in cache:
         return cache[kind]
     spec = specs.get(kind, "demo")
-    arch = "eagle2" if kind == "eagle2" else "eagle3"
+    arch = specs.get("arch", "eagle2") if kind == "eagle2" else "eagle3"  # --arch eagle3: 'eagle' on EAGLE-3
     if spec == "demo" and kind == "lowrank" and demo_drafter_path(LOWRANK_DEMO) is None:
         drafter, where = _drafter(session, "eagle3", specs, cache)
         cache[kind] = (drafter, where + " (no low-rank drafter: SVD factors of its head)")
@@ -808,7 +808,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_methods(methods, tree or DEFAULT_TREE)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     session = Session.open(args.target, args.max_len)
-    drafters = {"eagle3": args.eagle3_drafter, "lowrank": args.lowrank_drafter}
+    drafters = {"eagle3": args.eagle3_drafter, "lowrank": args.lowrank_drafter, "arch": args.arch}
     heads_json = Path(args.heads_json) if args.heads_json else None
     out = run_bench(
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
@@ -841,7 +841,7 @@ def add_cli(sub) -> None:
     b.add_argument("--drafter", default="demo", help="EAGLE-2 drafter: demo, random or a folder")
     b.add_argument("--eagle3-drafter", default="demo", help="drafter for 'eagle3': demo, random or a folder")
     b.add_argument("--lowrank-drafter", default="demo", help=f"drafter for 'lowrank' (demo: drafters/{LOWRANK_DEMO})")
-    b.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help=argparse.SUPPRESS)
+    b.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="kind of --drafter (for demo/random)")
     b.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
     b.add_argument("--heads-json", default=None, help="head benchmark JSON for the 8B projection")
     b.add_argument("--max-new-tokens", type=int, default=64)
