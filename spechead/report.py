@@ -280,8 +280,8 @@ def markdown(out: dict[str, Any], images: list[str]) -> str:
             "## Speedup model",
             "",
             f"kappa (full head time / rest of a round) {kap}. Predicted = rho_tau (1+kappa)/(1+nu kappa); measured = "
-            "decode-only tokens/s over the full-head run's. `rest` is how much the non-head part of a round moved "
-            "(the model assumes 1).",
+            "pooled decode speed over the full-head run's (rho_tau x round-time ratio, a round's time being its share "
+            "of the decode time). `rest` is how much the non-head part of a round moved (the model assumes 1).",
             "",
             "| method | vs | nu | rho_tau | predicted | measured | error | rest |",
             "|---|---|---:|---:|---:|---:|---:|---:|",

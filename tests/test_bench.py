@@ -145,28 +145,32 @@ def test_speedup_model_arithmetic():
     assert speedup_model(0.3, 1.0, 1.0) == pytest.approx(1.0)
     _, out = fake_run()
     sm = out["speedup_model"]
-    # eagle: head 2 ms per round over a rest of 1 + 3 ms; nanospec: head + gather 0.5 ms -> nu 0.25; same tau
-    assert sm["kappa"]["eagle"] == pytest.approx(0.5)
-    v = sm["methods"]["nanospec"]
+    # a round's share of decode time: eagle (0.5 - 0.01) s over 2 rounds per call, nanospec (0.4 - 0.01) s
+    assert out["methods"]["eagle"]["decode_round_ms"] == pytest.approx(245.0)
+    kappa = 2.0 / 243.0  # head 2 ms per round over the rest of the round
+    assert sm["kappa"]["eagle"] == pytest.approx(kappa)
+    v = sm["methods"]["nanospec"]  # head + gather 0.5 ms per round -> nu 0.25; same tau
     assert v["nu"] == pytest.approx(0.25) and v["rho_tau"] == pytest.approx(1.0)
-    assert v["predicted"] == pytest.approx(1.5 / 1.125)
-    assert v["rest_ratio"] == pytest.approx(1.0)
+    assert v["predicted"] == pytest.approx((1 + kappa) / (1 + 0.25 * kappa))
+    assert v["measured"] == pytest.approx(245.0 / 195.0) and v["rest_ratio"] == pytest.approx(194.5 / 243.0)
     assert "eagle" not in sm["methods"]
 
 
 def test_speedup_model_uses_the_matching_full_head():
     summary = {
         "eagle3": {"round_ms": {"backbone": 1, "head": 2, "verify": 3}, "tau": 2.0, "rounds": 5,
-                   "decode_tokens_per_s": 10.0, "tokens_per_s": 9.0},
+                   "decode_round_ms": 6.0, "decode_tokens_per_s": 10.0, "tokens_per_s": 9.0},
         "lowrank": {"round_ms": {"backbone": 1, "head": 1, "verify": 3}, "tau": 1.8, "rounds": 5,
-                    "decode_tokens_per_s": 11.0, "tokens_per_s": 10.0},
+                    "decode_round_ms": 5.0, "decode_tokens_per_s": 11.0, "tokens_per_s": 10.0},
     }  # fmt: skip
     specs = [MethodSpec.parse("eagle3", TREE), MethodSpec.parse("lowrank", TREE)]
     sm = add_speedup_model(summary, specs)
     v = sm["methods"]["lowrank"]
     assert v["reference"] == "eagle3" and sm["kappa"]["eagle3"] == pytest.approx(0.5)
     assert v["nu"] == pytest.approx(0.5) and v["rho_tau"] == pytest.approx(0.9)
-    assert v["measured"] == pytest.approx(1.1)
+    # the rest of the round did not move, so prediction and measurement agree exactly
+    assert v["predicted"] == pytest.approx(0.9 * 1.5 / 1.25) and v["measured"] == pytest.approx(1.08)
+    assert v["error"] == pytest.approx(0.0) and v["measured_mean"] == pytest.approx(1.1)
 
 
 def test_report_files_from_a_small_result(tmp_path):
