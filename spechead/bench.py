@@ -811,7 +811,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     check_methods(methods, tree or DEFAULT_TREE)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    session = Session.open(args.target, args.max_len)
+    session = Session.open(args.target, args.max_len, compile=args.compile)
     drafters = {"eagle3": args.eagle3_drafter, "lowrank": args.lowrank_drafter, "arch": args.arch}
     heads_json = Path(args.heads_json) if args.heads_json else None
     out = run_bench(
@@ -855,6 +855,7 @@ def add_cli(sub) -> None:
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--seed", type=int, default=None)
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    b.add_argument("--compile", action="store_true", help="torch.compile the target for every engine method")
     b.add_argument("--warmup", type=int, default=1, help="prompts run (turn 1, 16 tokens) before timing")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
