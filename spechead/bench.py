@@ -812,7 +812,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_methods(methods, tree or DEFAULT_TREE)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     session = Session.open(args.target, args.max_len, compile=args.compile)
-    drafters = {"eagle3": args.eagle3_drafter, "lowrank": args.lowrank_drafter, "arch": args.arch}
+    drafters = {"arch": args.arch}  # --eagle3-drafter / --lowrank-drafter default to --drafter
+    drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
     heads_json = Path(args.heads_json) if args.heads_json else None
     out = run_bench(
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
@@ -843,8 +844,10 @@ def add_cli(sub) -> None:
     b.add_argument("--report", default=None, help="write a Markdown report with PNG plots into this folder")
     b.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
     b.add_argument("--drafter", default="demo", help="EAGLE-2 drafter: demo, random or a folder")
-    b.add_argument("--eagle3-drafter", default="demo", help="drafter for 'eagle3': demo, random or a folder")
-    b.add_argument("--lowrank-drafter", default="demo", help=f"drafter for 'lowrank' (demo: drafters/{LOWRANK_DEMO})")
+    b.add_argument("--eagle3-drafter", default=None, help="drafter for 'eagle3' (default: --drafter)")
+    b.add_argument(
+        "--lowrank-drafter", default=None, help=f"drafter for 'lowrank' (default: --drafter; demo: {LOWRANK_DEMO})"
+    )
     b.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="kind of --drafter (for demo/random)")
     b.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
     b.add_argument("--heads-json", default=None, help="head benchmark JSON for the 8B projection")
