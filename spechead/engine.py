@@ -206,7 +206,8 @@ class Decoder:
                 if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                     target.move_cache(path_t + length, length)
             committed = [tokens[n] for n in path[1:]] + [bonus]
-            head.observe(tree.tokens, vo.logits, committed)
+            with tm("observe", dev):  # context-aware heads update here (NanoSpec's Ext source)
+                head.observe(tree.tokens, vo.logits, committed)
             new, reason = self._finish(committed, out, max_new)
             accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
             out += new
