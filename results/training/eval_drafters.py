@@ -25,7 +25,7 @@ from spechead.pipeline import Session
 
 
 def six_categories(rows: list[dict], limit: int) -> list[dict]:
-    """Spec-Bench's six groups, ``limit`` prompts each; MT-bench's 8 sub-categories taken round-robin."""
+    """Spec-Bench's six groups, ``limit`` prompts each (MT-bench's 8 sub-categories taken round-robin)."""
     groups: dict[str, list[dict]] = {}
     mt: dict[str, list[dict]] = {}
     for r in rows:
@@ -34,10 +34,8 @@ def six_categories(rows: list[dict], limit: int) -> list[dict]:
         else:
             groups.setdefault(r["category"], []).append(r)
     rr = [x for tier in zip(*mt.values(), strict=False) for x in tier]
-    out = [dict(r, category="mt_bench", sub=r["category"]) for r in rr[:limit]]
-    for rs in groups.values():
-        out += rs[:limit]
-    return out
+    per = [[dict(r, category="mt_bench", sub=r["category"]) for r in rr[:limit]]] + [g[:limit] for g in groups.values()]
+    return [x for tier in zip(*per, strict=False) for x in tier]  # round-robin: a cut-short run covers every group
 
 
 def main() -> None:
@@ -77,38 +75,37 @@ def main() -> None:
         rows.append(row)
         taus = " ".join(f"{n}={row[n]['tau']:.2f}" for n in decs)
         print(f"[{i + 1}/{len(prompts)} {time.time() - t0:.0f}s] {p['category']}: {taus}", flush=True)
+        out = report(rows, list(decs), args)  # rewritten after every prompt, so a cut-short run still counts
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out["summary"], indent=2))
+
+
+def report(rows: list[dict], names: list[str], args) -> dict:
     summary = {}
-    for name in decs:
+    for name in names:
         per_cat: dict[str, list[float]] = {}
         for r in rows:
             per_cat.setdefault(r["category"], []).append(r[name]["tau"])
-        acc = sum(r[name]["tau"] * r[name]["rounds"] for r in rows) / max(1, sum(r[name]["rounds"] for r in rows))
+        rounds = sum(r[name]["rounds"] for r in rows)
         summary[name] = {
             "tau_mean_of_prompts": statistics.mean(r[name]["tau"] for r in rows),
-            "tau_all_rounds": acc,
+            "tau_all_rounds": sum(r[name]["tau"] * r[name]["rounds"] for r in rows) / max(1, rounds),
             "tau_per_category": {c: statistics.mean(v) for c, v in per_cat.items()},
             "mismatches_vs_ar": sum(not r[name]["identical"] for r in rows),
-            "head_ms_per_round": sum(r[name]["head_ms"] for r in rows) / max(1, sum(r[name]["rounds"] for r in rows)),
-            "tokens_per_s": statistics.mean(
-                (r["ar_tokens"] / r[name]["wall_s"]) if r[name]["wall_s"] else 0.0 for r in rows
-            ),
+            "head_ms_per_round": sum(r[name]["head_ms"] for r in rows) / max(1, rounds),
+            "tokens_per_s": statistics.mean(r["ar_tokens"] / r[name]["wall_s"] for r in rows),
         }
     summary["ar"] = {"tokens_per_s": statistics.mean(r["ar_tokens"] / r["ar_s"] for r in rows)}
-    out = {
-        "config": {
-            "prompts": len(rows),
-            "limit_per_category": args.limit,
-            "max_new_tokens": args.max_new_tokens,
-            "threads": args.threads,
-            "tree": "default CPU tree (4,4,16)",
-            "greedy": True,
-        },
-        "summary": summary,
-        "rows": rows,
+    config = {
+        "prompts": len(rows),
+        "limit_per_category": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "tree": "default CPU tree (4,4,16)",
+        "greedy": True,
     }
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
+    return {"config": config, "summary": summary, "rows": rows}
 
 
 if __name__ == "__main__":
