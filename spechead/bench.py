@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import resource
 import shlex
@@ -55,10 +56,13 @@ HEADS_DIR = Path(__file__).resolve().parents[1] / "results" / "heads"
 # -- suites ----------------------------------------------------------------------------------------
 def suite_path(suite: str) -> Path:
     if suite in SUITES:
-        for base in (SHARED_EVAL, Path.cwd().parent / "shared" / "data" / "eval"):
+        env = os.environ.get("SPECHEAD_EVAL_DIR")
+        for base in ([Path(env)] if env else []) + [SHARED_EVAL, Path.cwd().parent / "shared" / "data" / "eval"]:
             if (base / SUITES[suite]).is_file():
                 return base / SUITES[suite]
-        raise SpecheadError(f"suite {suite} not found (expected ../shared/data/eval/{SUITES[suite]})")
+        raise SpecheadError(
+            f"suite {suite} not found (expected ../shared/data/eval/{SUITES[suite]} or $SPECHEAD_EVAL_DIR)"
+        )
     path = Path(suite)
     if not path.is_file():
         raise SpecheadError(f"suite file not found: {suite}")
