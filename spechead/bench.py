@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
+import os
 import resource
 import shlex
 import statistics
