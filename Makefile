@@ -20,6 +20,7 @@ demo: setup
 	$(VENV)/bin/spechead demo
 
 test: setup
+	$(VENV)/bin/ruff check spechead tests
 	$(VENV)/bin/pytest -q
 
 lint: setup
