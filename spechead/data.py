@@ -30,8 +30,9 @@ def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a .jsonl or .jsonl.gz file; empty files and invalid lines are user errors."""
+def read_jsonl(path: str | Path, keys: tuple[str, ...] | None = ("messages", "text")) -> Iterator[dict[str, Any]]:
+    """Records of a .jsonl or .jsonl.gz file; invalid lines are user errors. With ``keys`` each record
+    needs one of them and an empty file is an error; ``keys=None`` accepts any object (and no records)."""
     path = Path(path)
     if not path.is_file():
         raise SpecheadError(f"data file not found: {path}")
@@ -45,13 +46,15 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SpecheadError(f"{path}:{i}: invalid JSON ({e.msg})") from e
-                if not isinstance(rec, dict) or not ("messages" in rec or "text" in rec):
-                    raise SpecheadError(f"{path}:{i}: expected an object with 'messages' or 'text'")
+                if not isinstance(rec, dict):
+                    raise SpecheadError(f"{path}:{i}: expected a JSON object")
+                if keys and not any(k in rec for k in keys):
+                    raise SpecheadError(f"{path}:{i}: expected an object with {' or '.join(map(repr, keys))}")
                 n += 1
                 yield rec
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise SpecheadError(f"cannot read {path}: {e}") from e
-    if n == 0:
+    if n == 0 and keys:
         raise SpecheadError(f"data file {path} has no records")
 
 

@@ -14,14 +14,13 @@ write by default, then the lists shipped in the package (``spechead/drafters/voc
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .data import read_jsonl
 from .loading import SpecheadError, cache_dir
 
 SHIPPED_VOCAB = Path(__file__).parent / "drafters" / "vocab"
@@ -121,28 +120,6 @@ def parse_sizes(spec: str, vocab_size: int) -> list[int]:
 
 
 # -- corpora -----------------------------------------------------------------------------------
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file, gzip-compressed or not."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecheadError(f"data file not found: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SpecheadError(f"{path}:{n}: invalid JSON: {e}") from e
-                if not isinstance(rec, dict):
-                    raise SpecheadError(f"{path}:{n}: expected a JSON object")
-                yield rec
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise SpecheadError(f"cannot read {path}: {e}") from e
-
-
 def load_any_tokenizer(spec: str):
     """``demo`` (the demo target's tokenizer), a tokenizer/model folder or a ``tokenizer.json`` file,
     with the vocabulary size of its model (config.json) when known, else the tokenizer's length."""
@@ -228,7 +205,7 @@ def count_tokens(tok, files: list[str], vocab_size: int, limit: int | None = Non
 
     total = 0
     for path in files:
-        bar = tqdm(read_jsonl(path), desc=Path(path).name, unit=" rec", leave=False)
+        bar = tqdm(read_jsonl(path, keys=None), desc=Path(path).name, unit=" rec", leave=False)
         for n, rec in enumerate(bar):
             if limit is not None and n >= limit:
                 break
@@ -336,7 +313,7 @@ def cmd_vocabtrim(args) -> int:
     prompts = []
     for spec in args.prompts:
         for path in _expand(spec):
-            for rec in read_jsonl(path):
+            for rec in read_jsonl(path, keys=None):
                 if (turns := record_prompt(rec)) is not None:
                     prompts.append(turns)
     if args.limit is not None:
