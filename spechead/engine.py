@@ -64,6 +64,8 @@ class Decoder:
             if head is None:
                 raise ValueError("a drafter needs a head")
             drafter.setup_cache(self.max_len + self.tree.drafter_slots)
+            # verification runs the target on `total_tokens` rows every round: pack its weights for that
+            target.prepack(self.tree.total_tokens)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:

@@ -187,6 +187,36 @@ def causal_mask(t: int, total: int, device: torch.device) -> Tensor:
     return torch.ones(t, total, dtype=torch.bool, device=device).tril(total - t)
 
 
+def mkl_packing_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class PrepackedLinear(nn.Module):
+    """An inference ``nn.Linear`` whose fp32 CPU weight is also packed for MKL's GEMM at fixed row counts.
+
+    Why: with a few rows (a 4-token tree verification) MKL's sgemm repacks the whole weight on every
+    call, so verifying 4 tokens cost ~1.6x a one-token decode step (a GEMV) on the 2-core CPU; with the
+    weight packed once for that row count (what torch.compile's CPU freezing does) it costs ~1.25x
+    (README, "Verification cost"). Other row counts use ``F.linear``; results are bitwise equal in our
+    tests. Each packed size holds one more copy of the weight.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # shared, so tied weights stay tied
+        self.packed: dict[int, Tensor] = {}
+
+    def pack(self, rows: int) -> None:
+        if rows not in self.packed:
+            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        packed = self.packed.get(x.shape[0]) if x.dim() == 2 else None
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -275,6 +305,23 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self
+
+    def prepack(self, rows: int) -> bool:
+        """Pack every projection for MKL's GEMM at ``rows`` rows (the verification size); CPU fp32 only.
+
+        Returns whether packing applies. Idempotent per row count; see ``PrepackedLinear`` for why.
+        """
+        w = self.lm_head.weight
+        if rows < 2 or w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
+            return False
+        for name, child in list(self.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent_name, _, attr = name.rpartition(".")
+                child = PrepackedLinear(child)
+                setattr(self.get_submodule(parent_name), attr, child)
+            if isinstance(child, PrepackedLinear):
+                child.pack(rows)
+        return True
 
     def move_cache(self, src_slots: Tensor, dst_start: int) -> None:
         for layer in self.model.layers:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spechead.loading import SpecheadError, load_target
-from spechead.model import causal_mask
+from spechead.model import PrepackedLinear, causal_mask, mkl_packing_available
 
 
 def hf_logits(folder, ids):
@@ -96,3 +96,21 @@ def test_corrupt_weights(tiny_dir, tmp_path):
     (bad / "model.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(SpecheadError, match="corrupt"):
         load_target(str(bad))
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
+def test_prepacked_projections_match_linear(tiny_dir):
+    """Packing the weights for the verification size changes speed only: same logits, ties kept."""
+    target, _ = load_target(str(tiny_dir))
+    target.setup_cache(64)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
+        assert target.prepack(4)
+        got = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
+    assert isinstance(target.lm_head, PrepackedLinear) and 4 in target.lm_head.packed
+    if target.config.tie_word_embeddings:
+        assert target.lm_head.weight is target.model.embed_tokens.weight
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert not target.prepack(1)  # one row is a GEMV already
