@@ -111,6 +111,6 @@ def test_prepacked_projections_match_linear(tiny_dir):
     assert isinstance(target.lm_head, PrepackedLinear) and 4 in target.lm_head.packed
     if target.config.tie_word_embeddings:
         assert target.lm_head.weight is target.model.embed_tokens.weight
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     assert not target.prepack(1)  # one row is a GEMV already
