@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .data import read_jsonl
+from .data import parse_data_spec, read_jsonl
 from .loading import SpecheadError, cache_dir
 
 SHIPPED_VOCAB = Path(__file__).parent / "drafters" / "vocab"
@@ -312,10 +312,15 @@ def cmd_vocabtrim(args) -> int:
         raise SpecheadError("--topk must be >= 1")
     prompts = []
     for spec in args.prompts:
-        for path in _expand(spec):
+        path_spec, per_file = parse_data_spec(spec)
+        for path in _expand(str(path_spec)):
+            found = 0
             for rec in read_jsonl(path, keys=None):
+                if per_file is not None and found >= per_file:
+                    break
                 if (turns := record_prompt(rec)) is not None:
                     prompts.append(turns)
+                    found += 1
     if args.limit is not None:
         prompts = prompts[: args.limit]
     if not prompts:
@@ -362,7 +367,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
     v.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
     v.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
-    v.add_argument("--prompts", nargs="+", required=True, help="JSONL(.gz) files or folders of calibration prompts")
+    v.add_argument(
+        "--prompts", nargs="+", required=True, help="JSONL(.gz) files or folders; FILE:N = its first N prompts"
+    )
     v.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
     v.add_argument("--out", default=None, help="output folder (default: where vocabtrim:N looks)")
     v.add_argument("--limit", type=int, default=None, help="number of prompts")

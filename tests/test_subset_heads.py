@@ -227,3 +227,16 @@ def test_greedy_output_equals_autoregressive(tiny_small_vocab_dir, tmp_path, arc
         got = [dec.generate(p, 30) for p in prompts]
         assert [r.tokens for r in got] == want
         assert max(max(r.accept_lengths) for r in got) >= 2  # drafts were accepted, not only bonus tokens
+
+
+def test_vocabtrim_cli_takes_the_first_n_prompts_of_each_file(tmp_path, capsys):
+    files = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"turns": [f"Say {name} {i}."]}) + "\n" for i in range(5)))
+        files.append(path)
+    out = tmp_path / "lists"
+    argv = ["vocabtrim", "--target", "demo", "--drafter", "random", "--sizes", "64", "--max-new-tokens", "3"]
+    assert main([*argv, "--out", str(out), "--prompts", f"{files[0]}:1", f"{files[1]}:2"]) == 0
+    assert "3 prompts" in capsys.readouterr().out
+    assert len(torch.load(out / "vocabtrim_64.pt")) == 64
