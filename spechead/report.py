@@ -275,6 +275,18 @@ def markdown(out: dict[str, Any], images: list[str]) -> str:
         for name, m in out["methods"].items():
             pc = m["per_category"]
             lines.append(f"| {name} | " + " | ".join(_f(pc[c]["tau"]) if c in pc else "-" for c in cats) + " |")
+        vocab = [n for n, m in out["methods"].items() if "coverage" in m.get("head_stats", {})]
+        if vocab:
+            lines += ["", "## Active vocabulary per category: mean active size / coverage of committed tokens", ""]
+            lines += ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+            for name in vocab:
+                pc = out["methods"][name]["per_category"]
+                cells = []
+                for c in cats:
+                    hs = pc.get(c, {}).get("head_stats", {})
+                    size = hs.get("active_mean", hs.get("active_size"))
+                    cells.append(f"{_f(size, '.0f')} / {_f(hs.get('coverage'), '.3f')}" if hs else "-")
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
     sm = out.get("speedup_model", {})
     if sm.get("methods"):
         kap = ", ".join(f"{k}: {_f(v, '.3f')}" for k, v in sm["kappa"].items())

@@ -178,6 +178,9 @@ def test_report_files_from_a_small_result(tmp_path):
     path = write_report(out, tmp_path)
     text = path.read_text()
     assert "| nanospec |" in text and "Speedup model" in text and "| MT |" in text
+    # NanoSpec's active size / coverage per category (qa's only prompt reports 120 ids, coverage 0.75)
+    vocab = text.split("## Active vocabulary per category")[1].split("##")[0]
+    assert "| nanospec |" in vocab and "120 / 0.750" in vocab and "| eagle |" not in vocab
     for png in ("speed_tau.png", "nu_rho.png", "vocab_evolution.png", "latency.png"):
         assert (tmp_path / png).is_file() and 0 < (tmp_path / png).stat().st_size < 200_000
         assert f"]({png})" in text
