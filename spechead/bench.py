@@ -17,6 +17,7 @@ rho_tau (1 + kappa) / (1 + nu kappa) times as fast (:func:`speedup_model`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -804,9 +805,17 @@ def write_outputs(out: dict[str, Any], json_path: str | None, report_dir: str | 
         print(f"wrote {path}", file=sys.stderr)
 
 
+def round_robin(rows: list[dict]) -> list[dict]:
+    """One prompt of each category in turn, so that a run stopped early (Ctrl-C) still covers every category."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get("category", ""), []).append(r)
+    return [r for tier in itertools.zip_longest(*groups.values()) for r in tier if r is not None]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     cats = args.categories.split(",") if args.categories else None
-    prompts = load_suite(args.suite, args.limit, cats, args.limit_mt)
+    prompts = round_robin(load_suite(args.suite, args.limit, cats, args.limit_mt))
     methods = expand_methods(args.methods)
     if not methods:
         raise SpecheadError("no methods given")

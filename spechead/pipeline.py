@@ -15,11 +15,11 @@ from .model import Transformer
 from .tree import TreeConfig
 
 DEMO_DRAFTERS = Path(__file__).parent / "drafters"
-# Chosen by measurement on the 2-core CPU (README, "Tree shape"; results/bench/tree-sweep): verifying
-# 4 tokens costs ~1.8x one decode step here and 8-32 tokens 2.4-3.1x, while the demo drafter's tau
-# grows only from 1.28 (chain of 3) to 1.71 (8x5x32), so the short chain is fastest. On a GPU, where
-# verification is nearly free, the published 10/5/60 applies; pass --tree to change it.
-DEFAULT_TREE = TreeConfig.chain(3)
+# Chosen by measurement on the 2-core CPU with the shipped drafter and packed verification (README, "Tree
+# shape"; results/bench/tree-sweep2): top_k 2, depth 4, 8 tokens was fastest (1.06x AR, tau 1.66) against
+# chains of 3-5 (1.03x / tau 1.44 at best) and 4x4x16 (1.00x, tau 1.89): verifying 8 tokens costs ~1.5x a
+# decode step here. On a GPU, where verification is nearly free, the published 10/5/60 applies; pass --tree.
+DEFAULT_TREE = TreeConfig(top_k=2, depth=4, total_tokens=8)
 
 
 def demo_drafter_path(arch: str = "eagle2") -> Path | None:
