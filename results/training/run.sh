@@ -3,10 +3,7 @@
 # docs/training.md for timings and metrics). Run from the repository root with the venv active.
 # Features go to /tmp/run/feats (about 6 KB per token with the EAGLE-3 layer states).
 set -euo pipefail
-D=../shared/data/train
-DATA="$D/chat_sharegpt.jsonl.gz:1500 $D/chat_alpacaeval.jsonl.gz:1500 $D/chat_gpteacher.jsonl.gz:500
-      $D/math_gsm8k_train.jsonl.gz:800 $D/mt_de_en.jsonl.gz:800 $D/summ_t0_news.jsonl.gz:400
-      $D/qa_nq_open.jsonl.gz:600 $D/qa_t0_context.jsonl.gz:400 $D/code_instruct.jsonl.gz:400"
+source "$(dirname "$0")/data_mix.sh"  # D, DATA
 F=/tmp/run/feats
 COMMON="--threads 2 --features $F --pack-tokens 1024 --loss-on all --save-every 10 --eval-packs 8"
 

@@ -2,12 +2,18 @@
 # Stage 2 (second session, quiet 2-core CPU): more features, longer training, the drafters shipped now.
 # Starts from stage 1's checkpoints (results/training/run.sh). Run from the repository root, venv active.
 set -euo pipefail
-D=../shared/data/train
-DATA="$D/chat_sharegpt.jsonl.gz:1500 $D/chat_alpacaeval.jsonl.gz:1500 $D/chat_gpteacher.jsonl.gz:500
-      $D/math_gsm8k_train.jsonl.gz:800 $D/mt_de_en.jsonl.gz:800 $D/summ_t0_news.jsonl.gz:400
-      $D/qa_nq_open.jsonl.gz:600 $D/qa_t0_context.jsonl.gz:400 $D/code_instruct.jsonl.gz:400"
+source "$(dirname "$0")/data_mix.sh"  # D, DATA
 F=/tmp/run/feats
 COMMON="--features $F --pack-tokens 1024 --loss-on all --eval-packs 8"
+
+# 0. (measured, not used) gen-data on the same core budget: 48 prompts in 122 s, 3,511 new tokens
+#    (29 tokens/s on one thread, batch 24) against ~310 tokens/s for `extract` on one thread (step 1's logs)
+spechead gen-data --target demo --threads 1 --batch-size 24 --max-new-tokens 192 --max-prompt-tokens 384 \
+  --out /tmp/gen/gen.jsonl --data $D/chat_sharegpt.jsonl.gz:600 $D/chat_alpacaeval.jsonl.gz:600 \
+  $D/chat_arenahard.jsonl.gz:300 $D/chat_gpteacher.jsonl.gz:300 $D/math_gsm8k_train.jsonl.gz:600 \
+  $D/mt_de_en.jsonl.gz:500 $D/summ_t0_news.jsonl.gz:400 $D/qa_nq_open.jsonl.gz:400 $D/qa_t0_context.jsonl.gz:400 \
+  $D/code_instruct.jsonl.gz:300 $D/math_MATH.jsonl.gz:200 &
+sleep 122; kill %1; wait || true
 
 # 1. features: the same mix as stage 1 (same chunk order), two one-thread workers, stopped at the end of
 #    the time slot; training uses every chunk present
