@@ -197,8 +197,8 @@ class PrepackedLinear(nn.Module):
     Why: with a few rows (a 4-token tree verification) MKL's sgemm repacks the whole weight on every
     call, so verifying 4 tokens cost ~1.6x a one-token decode step (a GEMV) on the 2-core CPU; with the
     weight packed once for that row count (what torch.compile's CPU freezing does) it costs ~1.25x
-    (README, "Verification cost"). Other row counts use ``F.linear``; results are bitwise equal in our
-    tests. Each packed size holds one more copy of the weight.
+    (README, "Verification cost"). Other row counts use ``F.linear``; logits agree with ``F.linear`` to
+    1e-5 (tested). Each packed size holds one more copy of the weight.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
