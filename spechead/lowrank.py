@@ -12,53 +12,14 @@ for a few candidates outside its active set and then computes exact logits on th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .heads import DraftHead, fast_topk, register_head, topk_logprobs  # noqa: F401 (re-export)
+from .kernels import PackedLinear  # noqa: F401 (re-export)
 from .loading import SpecheadError
 
 # The exact chunked top-k lives with the head interface; re-exported here for the other heads.
 fast_topk_logprobs = topk_logprobs
-
-
-class PackedLinear:
-    """``x @ W.T`` for a weight that never changes, packed once for the CPU's GEMM kernel.
-
-    On the CPU, oneDNN's bf16 kernel reorders a plain row-major W into its blocked (VNNI) layout on
-    every call, and MKL's fp32 GEMM takes a slow path for a transposed operand with a few rows; a
-    weight reordered once (what torch.compile's CPU freezing does) measured 1.1-1.7x faster in bf16
-    and up to 3x in fp32 at batch 4-10 (docs/heads.md). Results are identical to ``F.linear`` (the
-    constructor checks); other devices, tiny matrices and builds without oneDNN use ``F.linear``.
-    """
-
-    MIN_NUMEL = 1 << 16  # below this the packed call's fixed cost outweighs the gain
-
-    def __init__(self, weight: Tensor, batch_hint: int = 10) -> None:
-        self.weight: Tensor | None = weight.detach().contiguous()  # dropped once packed: no second copy
-        self.packed: Tensor | None = None
-        self.shape, self.dtype = weight.shape, weight.dtype
-        self.nbytes = weight.numel() * weight.element_size()
-        if weight.device.type != "cpu" or weight.numel() < self.MIN_NUMEL or not torch.backends.mkldnn.is_available():
-            return
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
-            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-            ref, got = F.linear(x, self.weight), self._packed_call(x, packed)
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return
-        if got.shape == ref.shape and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2):
-            self.packed, self.weight = packed, None
-
-    @staticmethod
-    def _packed_call(x: Tensor, packed: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-    def __call__(self, x: Tensor) -> Tensor:
-        x = x.to(self.dtype)
-        if self.packed is not None:
-            return self._packed_call(x, self.packed)
-        return F.linear(x, self.weight)
 
 
 def check_rank(r: int, d: int) -> None:
@@ -202,7 +163,7 @@ class LowRankScorer:
         return self.up.nbytes + self.down.nbytes
 
     def logits(self, h: Tensor) -> Tensor:
-        """Scores [B, V_draft] in the factors' dtype."""
+        """Scores [B, V_draft] in float32."""
         return self.up(self.down(h))
 
     def candidates(self, h: Tensor, n: int, exclude: Tensor | None = None) -> Tensor:
@@ -244,8 +205,7 @@ class LowRankHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            logp, idx = fast_topk_logprobs(self.scorer.logits(h), k)
-            return logp, idx if self.row_ids is None else self.row_ids[idx]
+            return topk_logprobs(self.scorer.logits(h), k, self.row_ids)
 
     def stats(self) -> dict[str, float]:
         return {"rank": float(self.scorer.rank)}

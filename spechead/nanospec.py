@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .heads import DraftHead, register_head, topk_logprobs
+from .kernels import BlockedWeight
 from .loading import SpecheadError
 from .lowrank import LowRankScorer, check_rank, default_rank, fast_topk
 
@@ -130,7 +131,8 @@ class NanoSpecHead(DraftHead):
             self.t2r[row_ids.to(dev)] = torch.arange(row_ids.numel(), device=dev)
             self.eligible = self.t2r >= 0
         self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)  # slot -> target id
-        self.packed = torch.zeros(w_max, weight.shape[1], dtype=weight.dtype, device=dev)  # slot -> head row
+        # slot -> head row, in the draft-GEMM kernel's layout where it runs (rows rewritten in place)
+        self.packed = BlockedWeight(weight[:0], capacity=w_max)
         self.in_set = torch.zeros(vocab_size, dtype=torch.bool, device=dev)  # membership mask
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # id -> slot (-1: absent)
         self.last_hit = torch.zeros(w_max + 1, dtype=torch.long, device=dev)  # slot -> round; [-1] is a trash slot
@@ -171,7 +173,7 @@ class NanoSpecHead(DraftHead):
             raise SpecheadError("pinned ids must be inside the drafter's vocabulary")
         k = ids.numel()
         self.ids[:k] = ids
-        self.packed[:k] = self.weight[ids if self.t2r is None else self.t2r[ids]]
+        self.packed.write(torch.arange(k, device=self.device), self.weight[ids if self.t2r is None else self.t2r[ids]])
         return k
 
     # -- per-request state ----------------------------------------------------------------------
@@ -296,7 +298,7 @@ class NanoSpecHead(DraftHead):
             new = new[: slots.numel()]
         rows = new if self.t2r is None else self.t2r[new]
         self.ids[slots] = new
-        self.packed[slots] = self.weight[rows]
+        self.packed.write(slots, self.weight[rows])
         self.in_set[new] = True
         self.slot_of[new] = slots
         self.last_hit[slots] = self.round
@@ -314,10 +316,8 @@ class NanoSpecHead(DraftHead):
     def _set_topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
             if self.n == 0:  # Ext only, first round: nothing known yet, use the full head (as the reference)
-                logp, idx = topk_logprobs(h @ self.weight.T, k)
-                return logp, idx if self.row_ids is None else self.row_ids[idx]
-            logp, idx = topk_logprobs(h @ self.packed[: self.n].T, k)
-            return logp, self.ids[idx]
+                return topk_logprobs(h @ self.weight.T, k, self.row_ids)
+            return topk_logprobs(self.packed(h, self.n), k, self.ids)
 
     # -- telemetry ------------------------------------------------------------------------------
     @property
@@ -448,9 +448,9 @@ class HybridHead(NanoSpecHead):
         if self._row_mask is None:
             self._row_mask = self.in_set if self.row_ids is None else self.in_set[self.row_ids]
         with self.timers("head", h.device):
-            z_set = h @ self.packed[: self.n].T  # [B, n]
+            z_set = self.packed(h, self.n)  # [B, n] float32
             esc = self.scorer.candidates(h, self.m, exclude=self._row_mask)  # [B, m] drafter rows outside the set
-            z_esc = torch.einsum("bd,bmd->bm", h, self.weight[esc])  # exact logits of the escape rows
+            z_esc = torch.einsum("bd,bmd->bm", h.to(self.weight.dtype), self.weight[esc]).float()  # exact logits
             logp, idx = topk_logprobs(torch.cat([z_set, z_esc], dim=-1), k)
             esc_ids = esc if self.row_ids is None else self.row_ids[esc]
             union = torch.cat([self.ids[: self.n].expand(h.shape[0], -1), esc_ids], dim=-1)

@@ -80,8 +80,7 @@ class SubsetHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            logp, idx = fast_topk_logprobs(self.packed(h), k)
-            return logp, self.ids[idx]
+            return fast_topk_logprobs(self.packed(h), k, self.ids)
 
     def stats(self) -> dict[str, float]:
         return {"active_size": float(self.size), "dropped_ids": float(self.dropped)}

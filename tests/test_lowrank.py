@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from spechead import kernels
 from spechead.drafter import random_drafter
 from spechead.engine import Decoder
 from spechead.heads import make_head
@@ -178,9 +179,13 @@ def test_packed_linear_matches_linear_and_heads_use_it(dtype, tmp_path):
     W = (torch.randn(4096, 64, generator=g) * 0.02).to(dtype)  # big enough to be packed
     x = torch.randn(7, 64, generator=g).to(dtype)
     lin = PackedLinear(W)
-    if torch.backends.mkldnn.is_available():
-        assert lin.packed is not None and lin.weight is None  # one copy, the packed one
-    torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, W).float(), rtol=1e-2, atol=1e-3)
+    if kernels.available():
+        assert lin.kind == "kernel" and lin.weight is None  # one copy, in the kernel's layout
+    elif torch.backends.mkldnn.is_available():
+        assert lin.kind == "onednn" and lin.weight is None  # one copy, the packed one
+    out = lin(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, W).float(), rtol=1e-2, atol=1e-3)
     assert lin.nbytes == W.numel() * W.element_size() and lin.shape == W.shape
     # the heads' results through the packed path still equal brute force over their candidate set
     up, down = svd_factors(W.float(), 16)

@@ -42,7 +42,7 @@ def check_invariants(head: NanoSpecHead, w: torch.Tensor) -> set[int]:
     assert torch.equal(head.slot_of[ids], torch.arange(n))
     assert int((head.slot_of >= 0).sum()) == n
     rows = ids if head.t2r is None else head.t2r[ids]
-    assert torch.equal(head.packed[:n], w[rows])
+    assert torch.equal(head.packed.read(n), w[rows])
     return set(ids.tolist())
 
 
