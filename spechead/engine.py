@@ -64,8 +64,9 @@ class Decoder:
             if head is None:
                 raise ValueError("a drafter needs a head")
             drafter.setup_cache(self.max_len + self.tree.drafter_slots)
-            # verification runs the target on `total_tokens` rows every round: pack its weights for that
-            target.prepack(self.tree.total_tokens)
+        # decode steps run the target on one row, verification on `total_tokens` rows every round: lay its
+        # weights out for that (the same layout serves both where spechead's kernel runs)
+        target.prepack(self.tree.total_tokens if drafter is not None else 1)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:

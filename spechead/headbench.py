@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
 from .heads import DraftHead, FullHead
+from .kernels import BlockedWeight
 from .loading import SpecheadError
 from .lowrank import LowRankHead, LowRankLinear, LowRankScorer, PackedLinear, default_rank, fast_topk_logprobs
 from .subset_heads import FrequencyHead, VocabTrimHead
@@ -435,6 +437,11 @@ def gemm_variants(
             )
         except (RuntimeError, AttributeError) as ex:
             out.setdefault("unavailable", {})["mkldnn prepacked linear"] = str(ex).splitlines()[0][:200]
+        if kernels.supports(W):  # spechead's own few-row kernel on its blocked layout (kernels.py)
+            Wb = BlockedWeight(W)
+            variants["spechead kernel (blocked)"] = lambda h=h, Wb=Wb: Wb(h)
+        else:
+            out.setdefault("unavailable", {})["spechead kernel (blocked)"] = kernels.unavailable_reason()
         ts: dict[str, list[float]] = {name: [] for name in variants}
         meter.samples.clear()
         for fn in variants.values():
@@ -530,6 +537,7 @@ def cmd_bench_heads(args) -> int:
             "cores": os.cpu_count(),
             "llc_MB": llc_bytes() / 2**20,
             "torch": torch.__version__,
+            "draft_gemm": "spechead kernel" if kernels.available() else f"fallback: {kernels.unavailable_reason()}",
             "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
             "repeats": args.repeats,
             "k": args.k,

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
+from .kernels import BlockedWeight
+
 
 @dataclass
 class ModelConfig:
@@ -192,26 +195,40 @@ def mkl_packing_available() -> bool:
 
 
 class PrepackedLinear(nn.Module):
-    """An inference ``nn.Linear`` whose fp32 CPU weight is also packed for MKL's GEMM at fixed row counts.
+    """An inference ``nn.Linear`` whose CPU weight is also laid out for few-row products (decode, verify).
 
-    Why: with a few rows (a 4-token tree verification) MKL's sgemm repacks the whole weight on every
-    call, so verifying 4 tokens cost ~1.6x a one-token decode step (a GEMV) on the 2-core CPU; with the
-    weight packed once for that row count (what torch.compile's CPU freezing does) it costs ~1.25x
-    (README, "Verification cost"). Other row counts use ``F.linear``; logits agree with ``F.linear`` to
-    1e-5 (tested). Each packed size holds one more copy of the weight.
+    Why: a decode step (1 row) and a tree verification (4-16 rows) should both cost the bytes of the
+    weights. With MKL's sgemm they did not: with a few rows it repacked the whole weight on every call, so
+    verifying 8 tokens cost 2.1x a decode step on the 2-core CPU (README, "Verification cost"). Where
+    spechead's draft-GEMM kernel runs (``kernels.py``), every call with up to ``KERNEL_ROWS`` rows uses
+    it: one blocked copy of the weight serves any row count, and each output is accumulated in the same
+    order whatever the row count, so a token's logits are the same bitwise in a decode step and in a
+    verification. Elsewhere the weight is packed for MKL at the given row counts (``pack``). Longer
+    inputs (prefill) use ``F.linear``. Either way the layout costs one more copy of the weight.
     """
+
+    KERNEL_ROWS = 16
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias  # shared, so tied weights stay tied
         self.packed: dict[int, Tensor] = {}
+        self.blocked: BlockedWeight | None = None
 
     def pack(self, rows: int) -> None:
-        if rows not in self.packed:
+        if kernels.supports(self.weight):
+            if self.blocked is None:
+                self.blocked = BlockedWeight(self.weight.detach())
+        elif rows >= 2 and rows not in self.packed and mkl_packing_available() and self.weight.dtype == torch.float32:
             self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
 
     def forward(self, x: Tensor) -> Tensor:
-        packed = self.packed.get(x.shape[0]) if x.dim() == 2 else None
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if self.blocked is not None and x.shape[0] <= self.KERNEL_ROWS:
+            y = self.blocked(x)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
+        packed = self.packed.get(x.shape[0])
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
@@ -307,12 +324,13 @@ class Transformer(nn.Module):
         return self
 
     def prepack(self, rows: int) -> bool:
-        """Pack every projection for MKL's GEMM at ``rows`` rows (the verification size); CPU fp32 only.
-
-        Returns whether packing applies. Idempotent per row count; see ``PrepackedLinear`` for why.
-        """
+        """Lay out every projection for few-row products: spechead's kernel (any row count up to 16) where
+        it runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
+        layout applies. Idempotent; see ``PrepackedLinear`` for why."""
         w = self.lm_head.weight
-        if rows < 2 or w.device.type != "cpu" or w.dtype != torch.float32 or not mkl_packing_available():
+        if w.device.type != "cpu":
+            return False
+        if not kernels.supports(w) and (rows < 2 or w.dtype != torch.float32 or not mkl_packing_available()):
             return False
         for name, child in list(self.named_modules()):
             if isinstance(child, nn.Linear):

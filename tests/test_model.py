@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from spechead import kernels
 from spechead.loading import SpecheadError, load_target
 from spechead.model import PrepackedLinear, causal_mask, mkl_packing_available
 
@@ -98,9 +99,8 @@ def test_corrupt_weights(tiny_dir, tmp_path):
         load_target(str(bad))
 
 
-@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
-def test_prepacked_projections_match_linear(tiny_dir):
-    """Packing the weights for the verification size changes speed only: same logits, ties kept."""
+def check_prepacked_logits(tiny_dir) -> PrepackedLinear:
+    """Laying the weights out for few-row products changes speed only: same logits (1e-5), ties kept."""
     target, _ = load_target(str(tiny_dir))
     target.setup_cache(64)
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(2))
@@ -108,9 +108,29 @@ def test_prepacked_projections_match_linear(tiny_dir):
         ref = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
         assert target.prepack(4)
         got = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
-    assert isinstance(target.lm_head, PrepackedLinear) and 4 in target.lm_head.packed
+    assert isinstance(target.lm_head, PrepackedLinear)
     if target.config.tie_word_embeddings:
         assert target.lm_head.weight is target.model.embed_tokens.weight
     for a, b in zip(ref, got, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
-    assert not target.prepack(1)  # one row is a GEMV already
+    return target.lm_head
+
+
+@pytest.mark.skipif(not kernels.available(), reason="spechead's draft-GEMM kernel is unavailable here")
+def test_kernel_projections_match_linear_and_do_not_depend_on_row_count(tiny_dir):
+    """With the kernel, one layout serves every row count, and a row's outputs are bitwise the same alone
+    (a decode step) or among others (a verification): each output is accumulated in one fixed order."""
+    head = check_prepacked_logits(tiny_dir)
+    assert head.blocked is not None and not head.packed
+    x = torch.randn(9, head.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        together = head(x)
+        assert all(torch.equal(head(x[i : i + 1])[0], together[i]) for i in range(9))
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
+def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
+    """Without the kernel (no AVX-512, no compiler), MKL packing at the verification size."""
+    monkeypatch.setattr(kernels, "supports", lambda weight: False)
+    head = check_prepacked_logits(tiny_dir)
+    assert head.blocked is None and 4 in head.packed
