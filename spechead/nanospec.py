@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import kernels
 from .heads import DraftHead, register_head, topk_logprobs
 from .kernels import BlockedWeight
 from .loading import SpecheadError
@@ -275,6 +276,17 @@ class NanoSpecHead(DraftHead):
 
     def _append(self, cand: Tensor) -> None:
         """Add new ids under the overflow policy; refresh last-hit rounds; gather only the new rows."""
+        if self.device.type == "cpu" and kernels.available():  # the same steps as below, in one C++ op
+            new, slots, k, evicted = torch.ops.spechead.active_set_add(
+                cand.contiguous(), self.in_set, self.slot_of, self.ids, self.last_hit, self.eligible,
+                self.n, self.n_pin, self.round, self.policy == "lru",
+            )  # fmt: skip
+            self.evicted += evicted
+            self.dropped += k - slots.numel()
+            if slots.numel():
+                self.packed.write(slots, self.weight[new if self.t2r is None else self.t2r[new]])
+            self.n = min(self.w_max, self.n + k)
+            return
         if self.policy == "lru":  # a hit: the round's candidates touched an id already in the set
             self.last_hit[self.slot_of[cand]] = self.round  # absent ids (slot -1) hit the trash slot
             self.last_hit[-1] = 0

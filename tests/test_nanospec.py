@@ -4,6 +4,7 @@ invariants under adversarial streams, coverage telemetry, bad input, greedy loss
 import pytest
 import torch
 
+from spechead import kernels
 from spechead.drafter import random_drafter
 from spechead.engine import Decoder
 from spechead.heads import make_head
@@ -135,6 +136,40 @@ def test_adversarial_stream_never_overflows_and_reset(policy):
     head.begin(torch.tensor([100, 101]), plog)  # a new request starts from the pinned ids only
     assert check_invariants(head, w) == {5, 6, 7, 8, 9, 100, 101}
     assert head.stats()["rounds"] == 0 and head.dropped == 0 and head.evicted == 0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ set update needs spechead's kernels")
+@pytest.mark.parametrize("policy", ["stop", "lru"])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_cpp_set_update_equals_the_python_reference(policy, reduced, monkeypatch):
+    """On the CPU the set update runs as one C++ op (kernels.py); it must leave exactly the state the
+    documented Python steps leave (same ids in the same slots, mask, slot map, LRU rounds, counters)."""
+    g = torch.Generator().manual_seed(11)
+    rows = 120 if reduced else V
+    w = weight(5, rows)
+    row_ids = torch.randperm(V, generator=g)[:rows] if reduced else None
+    pinned = row_ids[:3] if reduced else torch.tensor([5, 6, 7])
+    prompt, plog = torch.randint(0, V, (9,), generator=g), torch.randn(9, V, generator=g)
+    stream = [(torch.randint(0, V, (11,), generator=g), torch.randn(11, V, generator=g)) for _ in range(25)]
+
+    def run(native: bool) -> NanoSpecHead:
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(kernels, "available", lambda: False)
+            head = NanoSpecHead(w, row_ids, V, w_max=24, policy=policy, pinned=pinned)
+            head.begin(prompt, plog)
+            for tree, logits in stream:
+                head.observe(tree, logits, tree[:3].tolist())
+            head.state()
+            return head
+
+    cpp, ref = run(True), run(False)
+    assert cpp.n == ref.n and (cpp.evicted, cpp.dropped) == (ref.evicted, ref.dropped)
+    assert torch.equal(cpp.ids[: cpp.n], ref.ids[: ref.n])
+    assert torch.equal(cpp.in_set, ref.in_set) and torch.equal(cpp.slot_of, ref.slot_of)
+    assert torch.equal(cpp.last_hit[:-1], ref.last_hit[:-1])  # [-1] is the reference's scratch slot
+    assert torch.equal(cpp.packed.read(cpp.n), ref.packed.read(ref.n))
+    assert policy == "stop" or cpp.evicted > 0  # the stream did overflow
 
 
 def test_lru_evicts_least_recently_hit():

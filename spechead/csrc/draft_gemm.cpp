@@ -328,13 +328,94 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k, bool
   return {vals, idx};
 }
 
+// NanoSpec's set update (nanospec.py, NanoSpecHead._append, is the reference with the same semantics):
+// refresh the last-hit round of candidates already in the set (LRU), pick the distinct candidates not
+// in it (first occurrence order, drafter-eligible), give them free slots and, under LRU, the slots of
+// the least recently hit ids (stable by slot, never one hit this round), and update ids / membership /
+// slot map / last-hit in place. Returns (new ids that got a slot, their slots, new ids in all, evicted).
+// It is a few hundred scalar steps; as ~30 tensor ops it cost ~0.5 ms per round with cold caches.
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> active_set_add(
+    const at::Tensor& cand, at::Tensor& in_set, at::Tensor& slot_of, at::Tensor& ids, at::Tensor& last_hit,
+    const std::optional<at::Tensor>& eligible, int64_t n, int64_t n_pin, int64_t round, bool lru) {
+  auto cpu_vec = [](const at::Tensor& t, at::ScalarType type) {
+    return t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == type;
+  };
+  TORCH_CHECK(cpu_vec(cand, at::kLong) && cpu_vec(slot_of, at::kLong) && cpu_vec(ids, at::kLong) &&
+                  cpu_vec(last_hit, at::kLong) && cpu_vec(in_set, at::kBool),
+              "active_set_add: state must be contiguous CPU vectors (int64, bool for the mask)");
+  const int64_t V = in_set.numel(), w_max = ids.numel();
+  TORCH_CHECK(slot_of.numel() == V && last_hit.numel() == w_max + 1 && 0 <= n_pin && n_pin <= n && n <= w_max,
+              "active_set_add: inconsistent state sizes");
+  const bool* ok = nullptr;
+  if (eligible.has_value()) {
+    TORCH_CHECK(cpu_vec(*eligible, at::kBool) && eligible->numel() == V, "active_set_add: bad eligible mask");
+    ok = eligible->data_ptr<bool>();
+  }
+  const int64_t* c = cand.data_ptr<int64_t>();
+  bool* member = in_set.data_ptr<bool>();
+  int64_t* slot = slot_of.data_ptr<int64_t>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* hit = last_hit.data_ptr<int64_t>();
+  const int64_t m = cand.numel();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(c[i] >= 0 && c[i] < V, "active_set_add: candidate id out of range");
+  if (lru)
+    for (int64_t i = 0; i < m; ++i)
+      if (slot[c[i]] >= 0) hit[slot[c[i]]] = round;
+  // distinct fresh candidates, first occurrence first (in_set doubles as the "seen" mark, undone below)
+  std::vector<int64_t> fresh;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t t = c[i];
+    if (member[t] || (ok != nullptr && !ok[t])) continue;
+    member[t] = true;
+    fresh.push_back(t);
+  }
+  for (int64_t t : fresh) member[t] = false;
+  const int64_t k = static_cast<int64_t>(fresh.size()), room = w_max - n;
+  std::vector<int64_t> slots;
+  for (int64_t s = n; s < n + std::min(k, room); ++s) slots.push_back(s);
+  int64_t evicted = 0;
+  if (k > room && lru) {
+    std::vector<int64_t> order(n - n_pin);
+    for (int64_t i = 0; i < n - n_pin; ++i) order[i] = n_pin + i;
+    const int64_t need = std::min<int64_t>(k - room, n - n_pin);
+    std::partial_sort(order.begin(), order.begin() + need, order.end(), [&](int64_t a, int64_t b) {
+      return hit[a] != hit[b] ? hit[a] < hit[b] : a < b;  // least recently hit, then lowest slot
+    });
+    for (int64_t i = 0; i < need; ++i) {
+      const int64_t v = order[i];
+      if (hit[v] >= round) continue;  // hit this round: kept
+      member[id[v]] = false;
+      slot[id[v]] = -1;
+      slots.push_back(v);
+      ++evicted;
+    }
+  }
+  const int64_t placed = static_cast<int64_t>(slots.size());
+  at::Tensor new_ids = at::empty({placed}, cand.options());
+  at::Tensor new_slots = at::empty({placed}, cand.options());
+  for (int64_t i = 0; i < placed; ++i) {
+    const int64_t t = fresh[i], s = slots[i];
+    id[s] = t;
+    member[t] = true;
+    slot[t] = s;
+    hit[s] = round;
+    new_ids.data_ptr<int64_t>()[i] = t;
+    new_slots.data_ptr<int64_t>()[i] = s;
+  }
+  return {new_ids, new_slots, k, evicted};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spechead, m) {
   m.def("draft_linear(Tensor x, Tensor w, int blocks) -> Tensor");
   m.def("row_topk(Tensor x, int k, bool log_softmax=False, Tensor? index_map=None) -> (Tensor, Tensor)");
+  m.def(
+      "active_set_add(Tensor cand, Tensor(a!) in_set, Tensor(b!) slot_of, Tensor(c!) ids, Tensor(d!) last_hit, "
+      "Tensor? eligible, int n, int n_pin, int round, bool lru) -> (Tensor, Tensor, int, int)");
 }
 TORCH_LIBRARY_IMPL(spechead, CPU, m) {
   m.impl("draft_linear", draft_linear);
   m.impl("row_topk", row_topk);
+  m.impl("active_set_add", active_set_add);
 }
