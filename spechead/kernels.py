@@ -1,19 +1,23 @@
-"""CPU kernels for the draft head: its few-row GEMM (and the weight layout it reads) and a row top-k.
+"""CPU kernels for the draft head and the target's few-row steps (``csrc/draft_gemm.cpp``).
 
 Every draft head ends in ``logits = h @ W.T`` with a handful of rows in h (the tree's top_k) and
-thousands to 150k rows in W. That product should be bound by the bytes of W. On this project's CPU it
-was not: oneDNN's bf16 kernel ran at ~130-170 GFLOP/s at 10 rows, about 2x the bytes floor, because
-the CPU's bf16 dot-product instruction has half the throughput of fp32 FMAs. ``csrc/draft_gemm.cpp``
-widens bf16 weights to fp32 in registers (one shift or mask per 16 values) and uses FMAs, with the
-weights in a blocked layout of 16 outputs per 64-byte vector (docs/heads.md, "A draft-GEMM kernel").
+thousands to 150k rows in W; a decode step and a tree verification are the same shape of product.
+It should be bound by the bytes of W. On this project's CPU it was not: oneDNN's bf16 kernel ran at
+~130-170 GFLOP/s at 10 rows, about 2x the bytes floor, because the CPU's bf16 dot-product instruction
+has half the throughput of fp32 FMAs, and MKL's fp32 GEMM repacked the weight on every few-row call.
+``draft_linear`` widens bf16 weights to fp32 in registers (one shift or mask per 16 values) and uses
+FMAs, over a blocked layout of 16 outputs per 64-byte vector (``BlockedWeight``); every output is
+accumulated in one fixed order, so results do not depend on the row count.
 
-``row_topk`` is the top-k of a few vocabulary-wide rows in one streaming pass (draft heads' top-k,
-NanoSpec's update over the tree's target logits), where ``torch.topk`` and PyTorch's bf16 reductions
-run far below memory speed on the CPU.
+``row_topk`` is the top-k of a few vocabulary-wide rows in one streaming pass, optionally fused with
+the log-softmax and a row -> id map (draft heads' top-k, NanoSpec's update over the tree's target
+logits), where ``torch.topk`` and PyTorch's bf16 reductions run far below memory speed on the CPU.
+``active_set_add`` is NanoSpec's set update in one op (``NanoSpecHead._append`` is the reference).
 
-``BlockedWeight`` holds a weight in that layout and falls back to ``F.linear`` where the kernel is not
-available (no AVX-512, no compiler, another device, ``SPECHEAD_KERNELS=0``). The kernel is compiled
-on first use with torch's C++ extension tooling (about 10-30 s, then cached).
+Where the kernels cannot run (no AVX-512, no compiler or ninja, another device, ``SPECHEAD_KERNELS=0``)
+``BlockedWeight`` and ``PackedLinear`` fall back to ``F.linear`` / oneDNN and the heads to tensor ops.
+The library is compiled on first use with torch's C++ extension tooling (10-30 s, then cached under
+``~/.cache/spechead/kernels``). Measurements and design: docs/heads.md, "CPU kernels".
 """
 
 from __future__ import annotations
@@ -63,11 +67,25 @@ def available() -> bool:
                 is_python_module=False,
             )
             ok = hasattr(torch.ops.spechead, "draft_linear")
+            if ok:
+                _register_fakes()
         except Exception as e:  # no compiler, no ninja, a failed build: the library still works
             _state["why"] = f"build failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             warnings.warn(f"spechead: draft-GEMM kernel unavailable ({_state['why']}); using F.linear", stacklevel=2)
     _state["ok"] = ok
     return ok
+
+
+def _register_fakes() -> None:
+    """Output shapes of the ops for torch.compile's tracing (`--compile`): to the compiler they are opaque."""
+
+    @torch.library.register_fake("spechead::draft_linear")
+    def _draft_linear(x: Tensor, w: Tensor, blocks: int) -> Tensor:
+        return x.new_empty((x.shape[0], blocks * LANES), dtype=torch.float32)
+
+    @torch.library.register_fake("spechead::row_topk")
+    def _row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None):
+        return x.new_empty((x.shape[0], k), dtype=torch.float32), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
 def unavailable_reason() -> str:

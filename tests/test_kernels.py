@@ -108,3 +108,10 @@ def test_row_topk_worst_case_order_is_still_exact():
     x = torch.arange(5000.0).repeat(3, 1)
     vals, idx = torch.ops.spechead.row_topk(x, 8)
     assert torch.equal(idx, torch.arange(4999, 4991, -1).repeat(3, 1)) and torch.equal(vals, idx.float())
+
+
+@needs_kernel
+def test_row_topk_ranks_nan_lowest():
+    x = torch.tensor([[float("nan"), 1.0, float("nan"), 3.0, 2.0, 0.5]])
+    vals, idx = torch.ops.spechead.row_topk(x, 3)
+    assert idx.tolist() == [[3, 4, 1]] and vals.tolist() == [[3.0, 2.0, 1.0]]

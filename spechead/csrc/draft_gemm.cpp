@@ -24,6 +24,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,7 +39,7 @@ constexpr int64_t kL2Bytes = 1 << 20;  // weight bytes kept in L2 while every 16
 
 // M input rows x NB consecutive 16-output blocks. xt is x transposed, [K][ldx] fp32 (M <= ldx columns used).
 template <int M, int NB>
-void tile_bf16(const float* xt, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+void tile(const float* xt, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
   __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -68,7 +69,7 @@ void tile_bf16(const float* xt, int64_t ldx, const uint16_t* w, int64_t K, float
 }
 
 template <int M, int NB>
-void tile_f32(const float* xt, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+void tile(const float* xt, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
   __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -89,42 +90,31 @@ void tile_f32(const float* xt, int64_t ldx, const float* w, int64_t K, float* y,
     for (int v = 0; v < NB; ++v) _mm512_storeu_ps(y + m * ldy + v * kLanes, acc[m][v]);
 }
 
-// Blocks per tile: as many accumulators as fit the 32 vector registers with the weights in flight.
-template <int M>
-constexpr int blocks_bf16() { return M <= 3 ? 4 : M <= 6 ? 3 : M <= 12 ? 2 : 1; }
-template <int M>
-constexpr int blocks_f32() { return M <= 4 ? 4 : M <= 7 ? 3 : M <= 13 ? 2 : 1; }
+// Blocks per tile: as many accumulators as fit the 32 vector registers with the weights in flight
+// (a bf16 block takes two registers once widened, an fp32 block one).
+template <int M, typename W>
+constexpr int blocks_per_tile() {
+  if constexpr (std::is_same_v<W, uint16_t>) return M <= 3 ? 4 : M <= 6 ? 3 : M <= 12 ? 2 : 1;
+  return M <= 4 ? 4 : M <= 7 ? 3 : M <= 13 ? 2 : 1;
+}
 
 template <typename W>
 using RangeFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, int64_t);
 
-template <int M>
-void range_bf16(const float* xt, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy, int64_t b0,
-               int64_t b1) {
-  constexpr int NB = blocks_bf16<M>();
+// Blocks [b0, b1) for M rows: tiles of NB blocks, then single blocks for the remainder.
+template <int M, typename W>
+void range(const float* xt, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr int NB = blocks_per_tile<M, W>();
   const int64_t block = K * kLanes;
   int64_t b = b0;
-  for (; b + NB <= b1; b += NB) tile_bf16<M, NB>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
-  for (; b < b1; ++b) tile_bf16<M, 1>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
+  for (; b + NB <= b1; b += NB) tile<M, NB>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
+  for (; b < b1; ++b) tile<M, 1>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
 }
 
-template <int M>
-void range_f32(const float* xt, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t b0,
-              int64_t b1) {
-  constexpr int NB = blocks_f32<M>();
-  const int64_t block = K * kLanes;
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) tile_f32<M, NB>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
-  for (; b < b1; ++b) tile_f32<M, 1>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
-}
-
-template <int... I>
-constexpr std::array<RangeFn<uint16_t>, sizeof...(I)> bf16_table(std::integer_sequence<int, I...>) {
-  return {range_bf16<I + 1>...};
-}
-template <int... I>
-constexpr std::array<RangeFn<float>, sizeof...(I)> f32_table(std::integer_sequence<int, I...>) {
-  return {range_f32<I + 1>...};
+// range<M> for M = 1..16, indexed by M - 1
+template <typename W, int... I>
+constexpr std::array<RangeFn<W>, sizeof...(I)> range_table(std::integer_sequence<int, I...>) {
+  return {range<I + 1, W>...};
 }
 
 // Runs `fn` over blocks [b0, b1) for every chunk of up to 16 rows of x, a group of blocks at a time so that
@@ -177,11 +167,11 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
   // a task is a run of blocks (64+ outputs); at 10 rows x 4096 that is ~5 MFLOP, well above the fork cost
   constexpr int64_t grain = 4;
   if (bf16) {
-    static constexpr auto table = bf16_table(std::make_integer_sequence<int, kMaxRows>{});
+    static constexpr auto table = range_table<uint16_t>(std::make_integer_sequence<int, kMaxRows>{});
     const auto* pw = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(table, px, M, pw, K, py, ldy, b0, b1); });
   } else {
-    static constexpr auto table = f32_table(std::make_integer_sequence<int, kMaxRows>{});
+    static constexpr auto table = range_table<float>(std::make_integer_sequence<int, kMaxRows>{});
     const float* pw = w.data_ptr<float>();
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(table, px, M, pw, K, py, ldy, b0, b1); });
   }
@@ -191,12 +181,13 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
 // Top-k of each row of x [R, V] (bf16 or fp32), values descending: one streaming pass per row that
 // compares 16 values at a time against the current k-th best and inserts the few that beat it.
 // Draft heads and NanoSpec's update need the top few of vocabulary-wide rows; torch.topk and bf16
-// reductions run far below the memory speed on the CPU. Equal values keep the lower index first.
+// reductions run far below the memory speed on the CPU. Equal values keep the lower index first; NaN ranks as -inf.
 template <bool BF16>
 void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) {
   int64_t filled = 0;
   float thr = -std::numeric_limits<float>::infinity();
   auto insert = [&](float v, int64_t i) {
+    if (std::isnan(v)) v = -std::numeric_limits<float>::infinity();  // NaN ranks lowest
     int64_t p = filled < k ? filled++ : k - 1;
     while (p > 0 && vals[p - 1] < v) {
       vals[p] = vals[p - 1];
