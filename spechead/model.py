@@ -228,7 +228,9 @@ class PrepackedLinear(nn.Module):
         if self.blocked is not None and x.shape[0] <= self.KERNEL_ROWS:
             y = self.blocked(x)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
-        packed = self.packed.get(x.shape[0])
+        # (looked up only when MKL packing is in use: a dict lookup by a traced row count makes
+        # torch.compile specialise on it and recompile for every prompt length)
+        packed = self.packed.get(x.shape[0]) if self.packed else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
