@@ -117,6 +117,29 @@ constexpr std::array<RangeFn<W>, sizeof...(I)> range_table(std::integer_sequence
   return {range<I + 1, W>...};
 }
 
+// Element i of a bf16 (BF16) or fp32 row as fp32: one value, or 16 from i on.
+template <bool BF16>
+inline float load1(const void* row, int64_t i) {
+  if constexpr (BF16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(row)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<const float*>(row)[i];
+  }
+}
+
+template <bool BF16>
+inline __m512 load16(const void* row, int64_t i) {
+  if constexpr (BF16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+  }
+}
+
 // Runs `fn` over blocks [b0, b1) for every chunk of up to 16 rows of x, a group of blocks at a time so that
 // the group's weights are read from DRAM once and from L2 by the later chunks.
 template <typename W>
@@ -147,18 +170,11 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
   // x transposed to [K, M] fp32: every row's input at k adjacent. Done here rather than with tensor ops,
   // each of which costs tens of microseconds when the caches are cold (between two draft calls).
   std::vector<float> xt(static_cast<size_t>(K * M));
-  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
-    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) {
-        const uint32_t bits = static_cast<uint32_t>(src[m * K + k]) << 16;
-        std::memcpy(&xt[k * M + m], &bits, sizeof(float));
-      }
-  } else {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const float* src = xf.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = src[m * K + k];
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xs = x_bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  for (int64_t m = 0; m < M; ++m) {
+    const void* row = static_cast<const char*>(xs.data_ptr()) + m * K * xs.element_size();
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x_bf16 ? load1<true>(row, k) : load1<false>(row, k);
   }
   at::Tensor y = at::empty({M, blocks * kLanes}, x.options().dtype(at::kFloat));
   const float* px = xt.data();
@@ -198,30 +214,12 @@ void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) 
     idx[p] = i;
     if (filled == k) thr = vals[k - 1];
   };
-  auto load = [&](int64_t i) -> __m512 {
-    if constexpr (BF16) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    } else {
-      return _mm512_loadu_ps(static_cast<const float*>(row) + i);
-    }
-  };
-  auto scalar = [&](int64_t i) -> float {
-    if constexpr (BF16) {
-      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(row)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      return f;
-    } else {
-      return static_cast<const float*>(row)[i];
-    }
-  };
   const char* bytes = static_cast<const char*>(row);
   constexpr int64_t elem = BF16 ? 2 : 4;
   int64_t i = 0;
   for (; i + kLanes <= V; i += kLanes) {
     _mm_prefetch(bytes + (i + kPrefetch * kLanes) * elem, _MM_HINT_T0);  // the row streams from DRAM
-    const __m512 v = load(i);
+    const __m512 v = load16<BF16>(row, i);
     __mmask16 hit = filled < k ? __mmask16(0xFFFF) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(thr), _CMP_GT_OQ);
     if (!hit) continue;
     alignas(64) float buf[kLanes];
@@ -230,7 +228,7 @@ void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) 
       if (((hit >> l) & 1) && (filled < k || buf[l] > thr)) insert(buf[l], i + l);
   }
   for (; i < V; ++i) {
-    const float v = scalar(i);
+    const float v = load1<BF16>(row, i);
     if (filled < k || v > thr) insert(v, i);
   }
 }
@@ -255,27 +253,9 @@ float row_logsumexp(const void* row, int64_t V, float mx) {
   const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + kLanes <= V; i += kLanes) {
-    __m512 v;
-    if constexpr (BF16) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    } else {
-      v = _mm512_loadu_ps(static_cast<const float*>(row) + i);
-    }
-    acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(v, m)));
-  }
+  for (; i + kLanes <= V; i += kLanes) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(load16<BF16>(row, i), m)));
   double sum = _mm512_reduce_add_ps(acc);
-  for (; i < V; ++i) {
-    float v;
-    if constexpr (BF16) {
-      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(row)[i]) << 16;
-      std::memcpy(&v, &bits, sizeof v);
-    } else {
-      v = static_cast<const float*>(row)[i];
-    }
-    sum += std::exp(static_cast<double>(v) - mx);
-  }
+  for (; i < V; ++i) sum += std::exp(static_cast<double>(load1<BF16>(row, i)) - mx);
   return mx + static_cast<float>(std::log(sum));
 }
 
