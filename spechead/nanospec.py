@@ -276,26 +276,31 @@ class NanoSpecHead(DraftHead):
 
     def _append(self, cand: Tensor) -> None:
         """Add new ids under the overflow policy; refresh last-hit rounds; gather only the new rows."""
-        if self.device.type == "cpu" and kernels.available():  # the same steps as below, in one C++ op
+        if self.device.type == "cpu" and kernels.available():  # the steps of _update_state, in one C++ op
             new, slots, k, evicted = torch.ops.spechead.active_set_add(
                 cand.contiguous(), self.in_set, self.slot_of, self.ids, self.last_hit, self.eligible,
                 self.n, self.n_pin, self.round, self.policy == "lru",
             )  # fmt: skip
-            self.evicted += evicted
-            self.dropped += k - slots.numel()
-            if slots.numel():
-                self.packed.write(slots, self.weight[new if self.t2r is None else self.t2r[new]])
-            self.n = min(self.w_max, self.n + k)
-            return
+        else:
+            new, slots, k, evicted = self._update_state(cand)
+        self.evicted += evicted
+        self.dropped += k - slots.numel()
+        if slots.numel():
+            self.packed.write(slots, self.weight[new if self.t2r is None else self.t2r[new]])
+        self.n = min(self.w_max, self.n + k)
+
+    def _update_state(self, cand: Tensor) -> tuple[Tensor, Tensor, int, int]:
+        """The reference steps of the update (``active_set_add`` does the same on the CPU): refresh
+        last-hit rounds, pick the fresh ids, give them free slots and, under LRU, victims' slots, and
+        write ids / mask / slot map / rounds. Returns (ids placed, their slots, fresh ids, evicted)."""
         if self.policy == "lru":  # a hit: the round's candidates touched an id already in the set
             self.last_hit[self.slot_of[cand]] = self.round  # absent ids (slot -1) hit the trash slot
             self.last_hit[-1] = 0
         new = self._fresh(cand)
         k = new.numel()
-        if k == 0:
-            return
         room = self.w_max - self.n
         slots = torch.arange(self.n, self.n + min(k, room), device=self.device)
+        evicted = 0
         if k > room and self.policy == "lru":
             age = self.last_hit[self.n_pin : self.n]  # pinned frequent tokens are never evicted
             victims = torch.sort(age, stable=True).indices[: k - room]
@@ -303,18 +308,14 @@ class NanoSpecHead(DraftHead):
             old = self.ids[victims]
             self.in_set[old] = False
             self.slot_of[old] = -1
-            self.evicted += victims.numel()
+            evicted = victims.numel()
             slots = torch.cat([slots, victims])
-        if slots.numel() < k:
-            self.dropped += k - slots.numel()
-            new = new[: slots.numel()]
-        rows = new if self.t2r is None else self.t2r[new]
+        new = new[: slots.numel()]
         self.ids[slots] = new
-        self.packed.write(slots, self.weight[rows])
         self.in_set[new] = True
         self.slot_of[new] = slots
         self.last_hit[slots] = self.round
-        self.n = min(self.w_max, self.n + k)
+        return new, slots, k, evicted
 
     # -- drafting -------------------------------------------------------------------------------
     def _ready(self, h: Tensor) -> None:
