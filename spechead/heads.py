@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from .kernels import ROW_TOPK_MAX_K, PackedLinear, row_topk_supported
+from .kernels import PackedLinear, row_topk_supported
 
 
 class Timers:
@@ -92,7 +92,7 @@ def fast_topk(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
     hold at least k entries >= t. (Among tied values the indices may differ from ``topk``'s.)
     """
     B, V = x.shape
-    if k <= ROW_TOPK_MAX_K and row_topk_supported(x):  # one streaming pass per row in C++ (kernels.py)
+    if row_topk_supported(x, k):  # one streaming pass per row in C++ (kernels.py)
         vals, idx = torch.ops.spechead.row_topk(x.contiguous(), min(k, V))
         return vals.to(x.dtype), idx
     if V % chunk or V // chunk <= k:
@@ -106,7 +106,7 @@ def fast_topk(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
 def topk_logprobs(logits: Tensor, k: int, index_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """log-softmax values of the top-k entries and their indices (``index_map[i]`` when a map is given:
     a head's row -> token id), without the full log-softmax."""
-    if k <= ROW_TOPK_MAX_K and row_topk_supported(logits):  # fused in one pass per row (kernels.py)
+    if row_topk_supported(logits, k):  # fused in one pass per row (kernels.py)
         cpu_map = index_map is None or (index_map.dtype == torch.long and index_map.device.type == "cpu")
         fused_map = index_map.contiguous() if index_map is not None and cpu_map else None
         logp, idx = torch.ops.spechead.row_topk(logits.contiguous(), min(k, logits.shape[-1]), True, fused_map)

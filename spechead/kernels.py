@@ -107,9 +107,15 @@ def supports(weight: Tensor) -> bool:
 ROW_TOPK_MAX_K = 64  # the kernel's top-k keeps a sorted buffer of k entries: meant for small k
 
 
-def row_topk_supported(x: Tensor) -> bool:
-    """``torch.ops.spechead.row_topk`` serves 2-D CPU rows of bf16 or fp32 (values come back in fp32)."""
-    return x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and available()
+def row_topk_supported(x: Tensor, k: int) -> bool:
+    """``torch.ops.spechead.row_topk`` serves 2-D CPU rows of bf16 or fp32 (values come back in fp32), small k."""
+    return (
+        k <= ROW_TOPK_MAX_K
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and available()
+    )
 
 
 class BlockedWeight:
