@@ -3,7 +3,7 @@
 Every draft head ends in ``logits = h @ W.T`` with a handful of rows in h (the tree's top_k) and
 thousands to 150k rows in W; a decode step and a tree verification are the same shape of product.
 It should be bound by the bytes of W. On this project's CPU it was not: oneDNN's bf16 kernel ran at
-~130-170 GFLOP/s at 10 rows, about 2x the bytes floor, because the CPU's bf16 dot-product instruction
+~115-140 GFLOP/s at 10 rows, about 2x the bytes floor, because the CPU's bf16 dot-product instruction
 has half the throughput of fp32 FMAs, and MKL's fp32 GEMM repacked the weight on every few-row call.
 ``draft_linear`` widens bf16 weights to fp32 in registers (one shift or mask per 16 values) and uses
 FMAs, over a blocked layout of 16 outputs per 64-byte vector (``BlockedWeight``); every output is
