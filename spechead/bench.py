@@ -37,7 +37,7 @@ from tqdm import tqdm
 from .loading import SpecheadError
 from .pipeline import Session, demo_drafter_path, resolve_drafter
 from .sampling import SamplingConfig
-from .tree import TreeConfig
+from .tree import TREE_HELP, TreeConfig
 
 SHARED_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 SUITES = {"spec-bench": "spec_bench.jsonl", "humaneval": "humaneval.jsonl"}
@@ -442,9 +442,10 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
     Assumptions (docs/bench.md): head ms per call are the head benchmark's (cold cache, its dtype and
     threads); a round is one root call at batch 1 plus depth - 1 calls at batch top_k; the rest of a
     round is a roofline estimate from the same file's copy bandwidth and GEMM rates: the target
-    verifying ``total_tokens`` tokens through its non-embedding weights + LM head, and the drafter's
-    decoder layer (+ fc) running depth + 1 times; tau ratios (rho_tau) and tau are the ones measured
-    here on the demo model, which assumes acceptance transfers to the larger vocabulary."""
+    verifying ``max_rows`` tokens (the tree with a full lookup branch, the upper bound) through its
+    non-embedding weights + LM head, and the drafter's decoder layer (+ fc) running depth + 1 times;
+    tau ratios (rho_tau) and tau are the ones measured here on the demo model, which assumes
+    acceptance transfers to the larger vocabulary."""
     data = json.loads(heads_json.read_text())
     shape = data["shapes"].get("llama3.1-8b")
     if shape is None:
@@ -454,7 +455,7 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
     c = LLAMA31_8B
     target_params = c["layers"] * _layer_params(c) + c["V"] * c["d"]
     drafter_params = _layer_params(c) + 2 * c["d"] * c["d"]
-    verify = _roofline_ms(target_params, tree.total_tokens, e, gbps, rates)
+    verify = _roofline_ms(target_params, tree.max_rows, e, gbps, rates)
     ar_ms = _roofline_ms(target_params, 1, e, gbps, rates)
     backbone = (tree.depth + 1) * _roofline_ms(drafter_params, 1, e, gbps, rates)
 
@@ -862,7 +863,7 @@ def add_cli(sub) -> None:
         "--lowrank-drafter", default=None, help=f"drafter for 'lowrank' (default: --drafter; demo: {LOWRANK_DEMO})"
     )
     b.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="kind of --drafter (for demo/random)")
-    b.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
+    b.add_argument("--tree", help=TREE_HELP)
     b.add_argument("--heads-json", default=None, help="head benchmark JSON for the 8B projection")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")

@@ -123,6 +123,8 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tree import TREE_HELP
+
     p = argparse.ArgumentParser(prog="spechead", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random"
             )
-            sp.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
+            sp.add_argument("--tree", help=TREE_HELP)
         sp.add_argument("--max-new-tokens", type=int, default=128)
         sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
         sp.add_argument("--temperature", type=float, default=0.0)

@@ -21,7 +21,7 @@ from .heads import DraftHead, Timers
 from .loading import SpecheadError
 from .model import Transformer
 from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample, target_probs
-from .tree import TreeConfig, draft_tree
+from .tree import ContextLookup, TreeConfig, draft_tree, graft
 
 
 @dataclass
@@ -64,9 +64,9 @@ class Decoder:
             if head is None:
                 raise ValueError("a drafter needs a head")
             drafter.setup_cache(self.max_len + self.tree.drafter_slots)
-        # decode steps run the target on one row, verification on `total_tokens` rows every round: lay its
-        # weights out for that (the same layout serves both where spechead's kernel runs)
-        target.prepack(self.tree.total_tokens if drafter is not None else 1)
+        # decode steps run the target on one row, verification on up to `max_rows` rows every round: lay
+        # its weights out for that (the same layout serves both where spechead's kernel runs)
+        target.prepack(self.tree.max_rows if drafter is not None else 1)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
@@ -181,6 +181,9 @@ class Decoder:
         new, reason = self._finish([root], out, max_new)
         out += new
         yield new
+        lookup = ContextLookup() if tree_cfg.lookup else None
+        if lookup is not None:
+            lookup.extend(ids.tolist() + new)
         while reason is None:
             # catch the drafter up on the accepted pairs (feature_j, token_{j+1}); its cache then has `length` pairs
             with tm("backbone", dev):
@@ -194,6 +197,8 @@ class Decoder:
             n_nodes = min(tree_cfg.total_tokens - 1, room - 1)
             with tm("draft", dev):
                 tree = draft_tree(drafter, head, h[-1:], root, length, tree_cfg, n_nodes)
+                if lookup is not None:
+                    tree = graft(tree, lookup.propose(min(tree_cfg.lookup, room - tree.size)))
             with tm("verify", dev):
                 mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
                 vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)
@@ -214,6 +219,8 @@ class Decoder:
             new, reason = self._finish(committed, out, max_new)
             accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
             out += new
+            if lookup is not None:
+                lookup.extend(new)
             if new:
                 yield new
             feats = drafter.target_features(vo)[path_t]

@@ -27,7 +27,7 @@ from typing import Any
 from .engine import Decoder, GenerationResult
 from .loading import DEMO_NAME, SpecheadError
 from .sampling import SamplingConfig
-from .tree import TreeConfig
+from .tree import TREE_HELP, TreeConfig
 
 log = logging.getLogger("spechead.server")
 
@@ -858,7 +858,7 @@ def add_cli(subparsers) -> None:
     s.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
     s.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
     s.add_argument("--head", default="full", help="default draft head (a request may pick another)")
-    s.add_argument("--tree", help="draft tree 'top_k,depth,total_tokens' or 'chain:N' (default: CPU-tuned)")
+    s.add_argument("--tree", help=TREE_HELP)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one decodes")

@@ -4,6 +4,11 @@ Nodes are numbered with the root (the last committed token, not yet verified) as
 valid when every node's parent precedes it; the global re-rank guarantees this because a child's
 cumulative log-prob never exceeds its parent's and a stable sort breaks ties by candidate index,
 and parents are always created before their children.
+
+Optionally a context lookup (prompt-lookup decoding) grafts one more branch onto each tree: the
+tokens that followed the latest earlier occurrence of the context's last n-gram. It costs no drafter
+work, only verification rows, and pays where the output copies its context (extraction, editing,
+retrieval); verification decides every token as before, so it changes nothing in the output.
 """
 
 from __future__ import annotations
@@ -16,19 +21,31 @@ from torch import Tensor
 from .drafter import Drafter
 from .heads import DraftHead
 
+TREE_HELP = (
+    "draft tree 'top_k,depth,total_tokens' or 'chain:N', optionally '+lookup:L' (a context-lookup branch "
+    "of up to L tokens); default: the CPU-tuned 2x4x8"
+)
+
 
 @dataclass(frozen=True)
 class TreeConfig:
     """top_k children per expanded node (and nodes expanded per level), depth expansion steps
-    (max draft length depth+1), total_tokens verified per round including the root."""
+    (max draft length depth+1), total_tokens verified per round including the root, and lookup:
+    up to that many context-lookup tokens grafted on top (0: none)."""
 
     top_k: int = 4
     depth: int = 4
     total_tokens: int = 16
+    lookup: int = 0
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.depth < 0 or self.total_tokens < 1:
-            raise ValueError(f"invalid tree {self}: need top_k >= 1, depth >= 0, total_tokens >= 1")
+        if self.top_k < 1 or self.depth < 0 or self.total_tokens < 1 or self.lookup < 0:
+            raise ValueError(f"invalid tree {self}: need top_k >= 1, depth >= 0, total_tokens >= 1, lookup >= 0")
+
+    @property
+    def max_rows(self) -> int:
+        """The most tokens one verification can hold: the drafted tree plus a lookup branch."""
+        return self.total_tokens + self.lookup
 
     @property
     def max_drafts(self) -> int:
@@ -47,14 +64,30 @@ class TreeConfig:
 
     @classmethod
     def parse(cls, spec: str) -> TreeConfig:
-        """``K,D,T`` or ``KxDxT`` (top_k, depth, total tokens), or ``chain:N``."""
+        """``K,D,T`` or ``KxDxT`` (top_k, depth, total tokens), or ``chain:N``; ``+lookup:L`` adds a
+        context-lookup branch of up to L tokens."""
         try:
-            if spec.startswith("chain:"):
-                return cls.chain(int(spec.split(":", 1)[1]))
-            k, d, t = (int(x) for x in spec.replace("x", ",").split(","))
-            return cls(k, d, t)
+            shape, plus, extra = spec.partition("+")
+            lookup = 0
+            if plus:
+                key, _, n = extra.partition(":")
+                if key != "lookup":
+                    raise ValueError(f"unknown tree option {extra!r}")
+                lookup = int(n)
+            if shape.startswith("chain:"):
+                base = cls.chain(int(shape.split(":", 1)[1]))
+            else:
+                k, d, t = (int(x) for x in shape.replace("x", ",").split(","))
+                base = cls(k, d, t)
+            return cls(base.top_k, base.depth, base.total_tokens, lookup)
         except ValueError as e:
-            raise ValueError(f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N'): {e}") from e
+            raise ValueError(
+                f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N', optionally '+lookup:L'): {e}"
+            ) from e
+
+    def __str__(self) -> str:
+        shape = f"{self.top_k}x{self.depth}x{self.total_tokens}"
+        return shape + (f"+lookup:{self.lookup}" if self.lookup else "")
 
 
 @dataclass
@@ -138,3 +171,66 @@ def draft_tree(
         base += cu.numel()
         vis = torch.cat([vis[src], torch.eye(best.numel(), dtype=torch.bool, device=device)], dim=1)
     return build_tree(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores), n_nodes)
+
+
+class ContextLookup:
+    """Prompt-lookup drafting over the request's context (prompt and output so far).
+
+    ``propose`` returns the tokens that followed the latest earlier occurrence of the context's last
+    n-gram, trying n = max_ngram down to min_ngram. A continuation that runs into the end of the
+    context goes on copying its own output (an overlapping copy, as in LZ77), so a repeating run
+    proposes more periods of itself instead of the one or two tokens left before the end. The index
+    maps each n-gram to the position after its latest occurrence that already has a successor, so a
+    lookup is one dict probe per n and ``extend`` costs O(max_ngram) per token.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ids: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.ids.append(t)
+            nxt = len(self.ids) - 1  # t is the successor of the n-grams ending just before it
+            for n in range(self.min_ngram, min(self.max_ngram, nxt) + 1):
+                self.after[tuple(self.ids[nxt - n : nxt])] = nxt
+
+    def propose(self, count: int) -> list[int]:
+        if count <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(self.ids)), self.min_ngram - 1, -1):
+            at = self.after.get(tuple(self.ids[-n:]))
+            if at is not None:
+                out = self.ids[at : at + count]
+                while len(out) < count:  # overlapping copy: the source catches up with the output
+                    out.append(out[at + len(out) - len(self.ids)])
+                return out
+        return []
+
+
+def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """Add ``chain`` as a path under the root, reusing the nodes the tree already has for its prefix."""
+    tokens, parents = tree.tokens.tolist(), tree.parents
+    node, i = 0, 0
+    while i < len(chain):
+        nxt = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == chain[i]), None)
+        if nxt is None:
+            break
+        node, i = nxt, i + 1
+    rest = chain[i:]
+    if not rest:
+        return tree
+    n0, device = len(tokens), tree.tokens.device
+    size = n0 + len(rest)
+    new_parents = [node] + list(range(n0, size - 1))
+    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+    mask[:n0, :n0] = tree.mask
+    for j, par in enumerate(new_parents):
+        mask[n0 + j] = mask[par]
+        mask[n0 + j, n0 + j] = True
+    depth = torch.cat([tree.depth, tree.depth[node] + torch.arange(1, len(rest) + 1, device=device)])
+    new_tokens = torch.cat([tree.tokens, torch.tensor(rest, dtype=tree.tokens.dtype, device=device)])
+    return DraftTree(new_tokens, parents + new_parents, mask, depth)

@@ -15,7 +15,7 @@ def test_demo_speculative_is_lossless(demo_session, arch):
     for p in prompts:
         ids = s.encode(p["turns"][0])
         reference = s.decoder().generate(ids, 20, speculative=False).tokens
-        for tree in (TreeConfig(4, 4, 16), TreeConfig.chain(3)):
+        for tree in (TreeConfig(4, 4, 16), TreeConfig.chain(3), TreeConfig(2, 2, 5, lookup=8)):
             assert s.decoder(drafter, "full", tree).generate(ids, 20).tokens == reference
 
 

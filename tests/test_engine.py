@@ -11,7 +11,14 @@ from spechead.loading import SpecheadError, load_target
 from spechead.sampling import SamplingConfig, target_probs
 from spechead.tree import TreeConfig
 
-TREES = [TreeConfig(4, 4, 16), TreeConfig(2, 3, 8), TreeConfig(3, 2, 10), TreeConfig.chain(4), TreeConfig(4, 0, 4)]
+TREES = [
+    TreeConfig(4, 4, 16),
+    TreeConfig(2, 3, 8),
+    TreeConfig(3, 2, 10),
+    TreeConfig.chain(4),
+    TreeConfig(4, 0, 4),
+    TreeConfig(2, 3, 8, lookup=5),
+]
 
 
 def make_decoder(folder, arch="eagle2", tree=TREES[0], max_len=256, stop_ids=None, seed=0):
@@ -36,6 +43,25 @@ def test_greedy_equals_autoregressive(tiny_small_vocab_dir, arch, tree):
         longest = max(longest, max(spec.accept_lengths))
     if tree.total_tokens > 4:
         assert longest >= 3 if arch == "eagle2" else 2  # multi-token acceptance + cache compaction happened
+
+
+def test_lookup_branch_is_used_and_lossless(tiny_small_vocab_dir):
+    """A depth-0 tree commits at most 2 tokens a round; longer rounds come from the lookup branch."""
+    dec = make_decoder(tiny_small_vocab_dir, tree=TreeConfig(2, 0, 3, lookup=6), max_len=96)
+    plain = make_decoder(tiny_small_vocab_dir, tree=TreeConfig(2, 0, 3), max_len=96)
+    g = torch.Generator().manual_seed(5)
+    longest = 0
+    for _ in range(4):
+        prompt = torch.randint(0, 16, (12,), generator=g)
+        ar = dec.generate(prompt, 60, speculative=False)
+        spec = dec.generate(prompt, 60)
+        assert spec.tokens == ar.tokens
+        assert max(plain.generate(prompt, 60).accept_lengths) <= 2
+        longest = max(longest, max(spec.accept_lengths))
+    assert longest > 2
+    # near the context limit the branch is clipped to the room left, and the output still matches
+    prompt = torch.randint(0, 16, (80,), generator=g)
+    assert dec.generate(prompt, 40).tokens == dec.generate(prompt, 40, speculative=False).tokens
 
 
 def test_eagle3_on_deeper_target(tiny_dir):
@@ -127,6 +153,26 @@ def test_sampling_matches_target_distribution(tiny_small_vocab_dir, cfg):
     # the test has power: the same samples are rejected against a slightly different law
     wrong = exact_joint(dec, prompt, SamplingConfig(cfg.temperature * 1.3, cfg.top_p, cfg.top_k))
     assert chi2_pvalue(samples, wrong, [0, 1, 2]) < 1e-3
+
+
+def test_sampling_with_lookup_matches_target_distribution(tiny_small_vocab_dir):
+    """Lookup tokens are point-mass drafts like any other: the law of the output is the target's.
+
+    The prompt ends in the target's own greedy run, so the lookup branch is accepted in most rounds
+    and rejected in the rest; a depth-0 tree alone commits at most 2 tokens a round."""
+    cfg = SamplingConfig(1.0)
+    dec = make_decoder(tiny_small_vocab_dir, tree=TreeConfig(2, 0, 3, lookup=3))
+    p0 = [1, 2]
+    prompt = torch.tensor(p0 + dec.generate(torch.tensor(p0), 12, speculative=False).tokens)
+    law = exact_joint(dec, prompt, cfg, n=4)
+    runs = [dec.generate(prompt, 4, SamplingConfig(1.0, seed=i)) for i in range(2000)]
+    extended = sum(max(r.accept_lengths) > 2 for r in runs)
+    assert 200 < extended < 1800, extended
+    samples = [r.tokens for r in runs]
+    for positions in ([1], [2], [3], [1, 2, 3], [0, 1, 2, 3]):
+        assert chi2_pvalue(samples, law, positions) > 1e-3, positions
+    wrong = exact_joint(dec, prompt, SamplingConfig(1.3), n=4)
+    assert chi2_pvalue(samples, wrong, [0, 1, 2, 3]) < 1e-3
 
 
 def test_sampling_is_reproducible_with_seed(tiny_small_vocab_dir):

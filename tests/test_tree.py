@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spechead.tree import TreeConfig, build_tree
+from spechead.tree import ContextLookup, TreeConfig, build_tree, graft
 
 
 def ancestors(parents, node):
@@ -70,7 +70,59 @@ def test_tree_config_parsing():
     assert TreeConfig.parse("4,3,12") == TreeConfig(4, 3, 12)
     assert TreeConfig.parse("4x3x12") == TreeConfig(4, 3, 12)
     assert TreeConfig.parse("chain:5") == TreeConfig(1, 4, 6)
-    with pytest.raises(ValueError):
-        TreeConfig.parse("4,3")
+    assert TreeConfig.parse("2x4x8+lookup:6") == TreeConfig(2, 4, 8, 6)
+    assert TreeConfig.parse("chain:3+lookup:2") == TreeConfig(1, 2, 4, 2)
+    assert TreeConfig.parse(str(TreeConfig(2, 4, 8, 6))) == TreeConfig(2, 4, 8, 6)
+    assert TreeConfig(2, 4, 8, 6).max_rows == 14
+    for bad in ("4,3", "2x4x8+lookup", "2x4x8+pld:3", "2x4x8+lookup:-1"):
+        with pytest.raises(ValueError):
+            TreeConfig.parse(bad)
     with pytest.raises(ValueError):
         TreeConfig(0, 1, 1)
+
+
+def brute_lookup(ids, count, max_n=3, min_n=2):
+    for n in range(min(max_n, len(ids)), min_n - 1, -1):
+        suffix = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):  # latest earlier occurrence with a successor
+            if ids[start : start + n] == suffix:
+                full = list(ids)
+                for j in range(count):  # what follows it, copying on into the proposal itself
+                    full.append(full[start + n + j])
+                return full[len(ids) :]
+    return []
+
+
+def test_context_lookup_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        vocab = 3 + trial % 6
+        ids = torch.randint(0, vocab, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g).tolist()
+        lk = ContextLookup()
+        cut = len(ids) // 2
+        lk.extend(ids[:cut])  # incremental extension gives the same index as one pass
+        lk.extend(ids[cut:])
+        for count in (0, 1, 4):
+            assert lk.propose(count) == brute_lookup(ids, count), (ids, count)
+    lk = ContextLookup()
+    lk.extend([5, 6, 7, 8, 1, 5, 6])
+    assert lk.propose(3) == [7, 8, 1]  # the classic copy case
+    lk.extend([7, 9, 7, 9])
+    assert lk.propose(5) == [7, 9, 7, 9, 7]  # a repeating run goes on repeating past the end
+
+
+def test_graft_shares_prefix_and_keeps_tree_valid():
+    scores = torch.tensor([-0.1, -2, -0.2, -0.3])
+    tree = build_tree(99, torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 2]), scores, 4)
+    assert tree.tokens.tolist() == [99, 10, 11, 12, 13]  # 99 -> 10 -> 12 -> 13, 99 -> 11
+    same = graft(tree, [10, 12])
+    assert same is tree  # the chain is already in the tree
+    g = graft(tree, [10, 12, 7, 8])  # shares 10 -> 12, then continues under node 3 (token 12)
+    assert g.tokens.tolist() == [99, 10, 11, 12, 13, 7, 8]
+    assert g.parents == [-1, 0, 0, 1, 3, 3, 5]
+    check_tree(g)
+    g = graft(tree, [11, 4])
+    assert g.parents[-1] == 2 and g.tokens.tolist()[-1] == 4
+    check_tree(g)
+    none = torch.empty(0, dtype=torch.long)
+    check_tree(graft(build_tree(1, none, none, torch.empty(0), 0), [2, 3]))  # a root-only tree
