@@ -1,4 +1,4 @@
-"""Acceptance of the demo drafters on Spec-Bench, all in one interleaved run (greedy, default CPU tree).
+"""Acceptance of the demo drafters on Spec-Bench, all in one interleaved run (greedy, full head, --tree).
 
 AR runs once per prompt; every drafter decodes the same prompt right after it, and its output is
 checked token for token against AR. Reports tau per category, the head time per round and the
@@ -22,6 +22,7 @@ import torch
 from spechead.bench import MT_BENCH, load_suite
 from spechead.drafter import load_drafter
 from spechead.pipeline import Session
+from spechead.tree import TreeConfig
 
 
 def six_categories(rows: list[dict], limit: int) -> list[dict]:
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--categories", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tree", default="2x4x8", help="draft tree; the default has no lookup branch (the drafter alone)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +58,7 @@ def main() -> None:
     decs = {}
     for spec in args.drafters:
         name, _, folder = spec.partition("=")
-        decs[name] = session.decoder(load_drafter(folder, session.target))
+        decs[name] = session.decoder(load_drafter(folder, session.target), "full", TreeConfig.parse(args.tree))
     rows = []
     t0 = time.time()
     for i, p in enumerate(prompts):
@@ -102,7 +104,7 @@ def report(rows: list[dict], names: list[str], args) -> dict:
         "limit_per_category": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
-        "tree": "default CPU tree (4,4,16)",
+        "tree": args.tree,
         "greedy": True,
     }
     return {"config": config, "summary": summary, "rows": rows}
