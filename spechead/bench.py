@@ -359,7 +359,8 @@ def add_speedup_model(summary: dict[str, Any], specs: list[MethodSpec]) -> dict[
     the untimed glue, which belongs to the rest. Then pooled decode speed = tau / round time, and the
     measured speedup (``measured``) differs from the prediction only where the rest of the round moved
     (``rest_ratio``). ``measured_mean`` is the ratio of Spec-Bench-style means of per-prompt decode speeds,
-    ``measured_incl_prefill`` that of tokens/s with prefill."""
+    ``measured_incl_prefill`` that of tokens/s with prefill. A method drafted on another tree than its
+    reference (``nanospec@TREE``) has another rest of the round, which the model does not cover: skipped."""
     model: dict[str, Any] = {"kappa": {}, "methods": {}}
     for ref in ("eagle", "eagle3"):
         m = summary.get(ref)
@@ -368,6 +369,8 @@ def add_speedup_model(summary: dict[str, Any], specs: list[MethodSpec]) -> dict[
     for s in specs:
         ref = s.reference
         if s.kind != "spec" or s.name == ref or ref not in model["kappa"] or not summary[s.name]["rounds"]:
+            continue
+        if not _same_tree(s, ref, specs):
             continue
         m, r = summary[s.name], summary[ref]
         kappa, nu = model["kappa"][ref], _head_ms(m) / _head_ms(r) if _head_ms(r) else float("nan")
@@ -387,6 +390,10 @@ def add_speedup_model(summary: dict[str, Any], specs: list[MethodSpec]) -> dict[
             "rest_ratio": _rest_ms(m) / _rest_ms(r),  # the model assumes 1
         }
     return model
+
+
+def _same_tree(s: MethodSpec, ref: str, specs: list[MethodSpec]) -> bool:
+    return any(r.name == ref and r.tree == s.tree for r in specs)
 
 
 def _rest_ms(m: dict[str, Any]) -> float:
@@ -475,8 +482,8 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
         "methods": {},
     }
     for s in specs:
-        if s.kind != "spec":
-            continue
+        if s.kind != "spec" or s.tree != tree or not _same_tree(s, s.reference, specs):
+            continue  # the projection's round is the run's tree
         key = _headbench_key(s, heads)
         h = head_round(key) if key else None
         ref = summary.get(s.reference)

@@ -171,6 +171,10 @@ def test_speedup_model_uses_the_matching_full_head():
     # the rest of the round did not move, so prediction and measurement agree exactly
     assert v["predicted"] == pytest.approx(0.9 * 1.5 / 1.25) and v["measured"] == pytest.approx(1.08)
     assert v["error"] == pytest.approx(0.0) and v["measured_mean"] == pytest.approx(1.1)
+    # on another tree than its reference the rest of the round differs: the model does not apply
+    other = MethodSpec.parse("lowrank@2x1x4+lookup:8", TREE)
+    summary[other.name] = summary["lowrank"]
+    assert other.name not in add_speedup_model(summary, [*specs, other])["methods"]
 
 
 def test_report_files_from_a_small_result(tmp_path):
