@@ -143,9 +143,15 @@ class MethodSpec:
         return cls(spec, "spec", base, t)
 
     @property
-    def reference(self) -> str:
-        """The full-head method this one is compared with in the speedup model."""
-        return "eagle" if self.drafter == "eagle2" else "eagle3"
+    def family(self) -> str:
+        """The drafter whose full head this method is compared with: the low-rank drafter is EAGLE-3's twin."""
+        return "eagle3" if self.drafter in ("eagle3", "lowrank") else "eagle2"
+
+    def reference(self, specs: list[MethodSpec]) -> MethodSpec | None:
+        """The full-head run of the same drafter family on the same tree, which the speedup model compares
+        this method with (a method on another tree has another rest of the round)."""
+        same = (r for r in specs if r.kind == "spec" and r.family == self.family and r.tree == self.tree)
+        return next((r for r in same if r.head == "full"), None)
 
 
 def check_methods(methods: list[str], tree: TreeConfig) -> list[MethodSpec]:
@@ -359,18 +365,17 @@ def add_speedup_model(summary: dict[str, Any], specs: list[MethodSpec]) -> dict[
     the untimed glue, which belongs to the rest. Then pooled decode speed = tau / round time, and the
     measured speedup (``measured``) differs from the prediction only where the rest of the round moved
     (``rest_ratio``). ``measured_mean`` is the ratio of Spec-Bench-style means of per-prompt decode speeds,
-    ``measured_incl_prefill`` that of tokens/s with prefill. A method drafted on another tree than its
-    reference (``nanospec@TREE``) has another rest of the round, which the model does not cover: skipped."""
+    ``measured_incl_prefill`` that of tokens/s with prefill. A head method without a full-head run of
+    its drafter on its tree (``MethodSpec.reference``) is left out."""
     model: dict[str, Any] = {"kappa": {}, "methods": {}}
-    for ref in ("eagle", "eagle3"):
-        m = summary.get(ref)
-        if m and m["rounds"] and _rest_ms(m) > 0:
-            model["kappa"][ref] = _head_ms(m) / _rest_ms(m)
+    for r in specs:
+        m = summary.get(r.name)
+        if r.kind == "spec" and r.head == "full" and m and m["rounds"] and _rest_ms(m) > 0:
+            model["kappa"][r.name] = _head_ms(m) / _rest_ms(m)
     for s in specs:
-        ref = s.reference
-        if s.kind != "spec" or s.name == ref or ref not in model["kappa"] or not summary[s.name]["rounds"]:
-            continue
-        if not _same_tree(s, ref, specs):
+        ref_spec = s.reference(specs) if s.kind == "spec" else None
+        ref = ref_spec.name if ref_spec else None
+        if ref is None or s.name == ref or ref not in model["kappa"] or not summary[s.name]["rounds"]:
             continue
         m, r = summary[s.name], summary[ref]
         kappa, nu = model["kappa"][ref], _head_ms(m) / _head_ms(r) if _head_ms(r) else float("nan")
@@ -390,10 +395,6 @@ def add_speedup_model(summary: dict[str, Any], specs: list[MethodSpec]) -> dict[
             "rest_ratio": _rest_ms(m) / _rest_ms(r),  # the model assumes 1
         }
     return model
-
-
-def _same_tree(s: MethodSpec, ref: str, specs: list[MethodSpec]) -> bool:
-    return any(r.name == ref and r.tree == s.tree for r in specs)
 
 
 def _rest_ms(m: dict[str, Any]) -> float:
@@ -447,7 +448,7 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
     """Speedups at Llama-3.1-8B shapes on the machine the head benchmark ran on.
 
     Assumptions (docs/bench.md): head ms per call are the head benchmark's (cold cache, its dtype and
-    threads); a round is one root call at batch 1 plus depth - 1 calls at batch top_k; the rest of a
+    threads); a round is one root call at batch 1 plus depth calls at batch top_k; the rest of a
     round is a roofline estimate from the same file's copy bandwidth and GEMM rates: the target
     verifying ``max_rows`` tokens (the tree with a full lookup branch, the upper bound) through its
     non-embedding weights + LM head, and the drafter's decoder layer (+ fc) running depth + 1 times;
@@ -468,7 +469,7 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
 
     def head_round(key: str) -> float | None:
         one, many = _headbench_ms(heads, key, 1), _headbench_ms(heads, key, tree.top_k)
-        return None if one is None or many is None else one + (tree.depth - 1) * many
+        return None if one is None or many is None else one + tree.depth * many  # draft_tree's calls
 
     full = head_round("full")
     rest = verify + backbone
@@ -482,11 +483,12 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
         "methods": {},
     }
     for s in specs:
-        if s.kind != "spec" or s.tree != tree or not _same_tree(s, s.reference, specs):
+        ref_spec = s.reference(specs) if s.kind == "spec" and s.tree == tree else None
+        if ref_spec is None:
             continue  # the projection's round is the run's tree
         key = _headbench_key(s, heads)
         h = head_round(key) if key else None
-        ref = summary.get(s.reference)
+        ref = summary.get(ref_spec.name)
         if h is None or full is None or ref is None:
             continue
         m = summary[s.name]

@@ -10,16 +10,18 @@ tree, and catch the drafter up on the accepted tokens, which also yields the nex
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from . import kernels
 from .drafter import Drafter
 from .heads import DraftHead, Timers
 from .loading import SpecheadError
-from .model import Transformer
+from .model import PrepackedLinear, Transformer
 from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample, target_probs
 from .tree import ContextLookup, TreeConfig, draft_tree, graft
 
@@ -65,8 +67,17 @@ class Decoder:
                 raise ValueError("a drafter needs a head")
             drafter.setup_cache(self.max_len + self.tree.drafter_slots)
         # decode steps run the target on one row, verification on up to `max_rows` rows every round: lay
-        # its weights out for that (the same layout serves both where spechead's kernel runs)
-        target.prepack(self.tree.max_rows if drafter is not None else 1)
+        # its weights out for that (the same layout serves both where spechead's kernel runs; MKL's
+        # fallback packing serves `max_rows` only, so rounds whose lookup branch is shorter use F.linear)
+        rows = self.tree.max_rows if drafter is not None else 1
+        target.prepack(rows)
+        if rows > PrepackedLinear.KERNEL_ROWS and kernels.supports(target.lm_head.weight):
+            warnings.warn(
+                f"the draft tree {self.tree} verifies up to {rows} tokens; spechead's kernel covers "
+                f"{PrepackedLinear.KERNEL_ROWS}, so larger verifications run on F.linear: slower, and their "
+                "logits are not bitwise those of a decode step (a near-tie may then differ from AR)",
+                stacklevel=2,
+            )
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
@@ -173,6 +184,9 @@ class Decoder:
             pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
             root = self._choose(pre.logits[-1], cfg, gen)
             head.begin(ids, pre.logits if head.needs_prompt_logits else None)
+            lookup = ContextLookup() if tree_cfg.lookup else None
+            if lookup is not None:
+                lookup.extend(ids.tolist() + [root])
         prefill_s = time.perf_counter() - t0
         length = ids.numel()  # tokens in the target cache; the root is not yet in it
         feats, next_tokens = drafter.target_features(pre), torch.cat([ids[1:], torch.tensor([root], device=dev)])
@@ -181,9 +195,6 @@ class Decoder:
         new, reason = self._finish([root], out, max_new)
         out += new
         yield new
-        lookup = ContextLookup() if tree_cfg.lookup else None
-        if lookup is not None:
-            lookup.extend(ids.tolist() + new)
         while reason is None:
             # catch the drafter up on the accepted pairs (feature_j, token_{j+1}); its cache then has `length` pairs
             with tm("backbone", dev):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from spechead.bench import (
     expand_methods,
     load_suite,
     make_report_data,
+    project,
     run_prompt,
     speedup_model,
     write_outputs,
@@ -171,10 +173,27 @@ def test_speedup_model_uses_the_matching_full_head():
     # the rest of the round did not move, so prediction and measurement agree exactly
     assert v["predicted"] == pytest.approx(0.9 * 1.5 / 1.25) and v["measured"] == pytest.approx(1.08)
     assert v["error"] == pytest.approx(0.0) and v["measured_mean"] == pytest.approx(1.1)
-    # on another tree than its reference the rest of the round differs: the model does not apply
+    # without a full-head run on its own tree the model does not apply; with one, that run is the reference
     other = MethodSpec.parse("lowrank@2x1x4+lookup:8", TREE)
     summary[other.name] = summary["lowrank"]
     assert other.name not in add_speedup_model(summary, [*specs, other])["methods"]
+    ref = MethodSpec.parse("eagle3@2x1x4+lookup:8", TREE)
+    summary[ref.name] = summary["eagle3"]
+    sm = add_speedup_model(summary, [*specs, other, ref])
+    assert sm["methods"][other.name]["reference"] == ref.name and sm["kappa"][ref.name] == pytest.approx(0.5)
+
+
+def test_projection_counts_every_head_call_and_keeps_to_the_runs_tree():
+    heads_json = Path(__file__).parent.parent / "results" / "heads" / "llama3.1-8b_bf16_t2.json"
+    ms = json.loads(heads_json.read_text())["shapes"]["llama3.1-8b"]["heads"]["full"]["batches"]
+    tree = TreeConfig(2, 4, 8, lookup=8)
+    row = {"tau": 2.0, "rounds": 5, "decode_round_ms": 6.0}
+    specs = [MethodSpec.parse(m, tree) for m in ("eagle", "nanospec", "nanospec@2x1x4")]
+    out = project({s.name: row for s in specs}, specs, tree, heads_json)
+    # draft_tree asks the head once at the root (1 row) and once per level (top_k rows)
+    two = ms["1"]["ms"] + (ms["10"]["ms"] - ms["1"]["ms"]) * (2 - 1) / (10 - 1)
+    assert out["round_ms"]["full_head"] == pytest.approx(ms["1"]["ms"] + 4 * two)
+    assert set(out["methods"]) == {"eagle", "nanospec"}  # nanospec@2x1x4 has another round: left out
 
 
 def test_report_files_from_a_small_result(tmp_path):
@@ -219,8 +238,11 @@ def test_ctrl_c_keeps_finished_prompts_and_writes_partial_results(tmp_path):
 def test_method_parsing_and_presets():
     assert MethodSpec.parse("hf-pld:4", TREE).pld == 4 and MethodSpec.parse("hf-pld", TREE).kind == "pld"
     s = MethodSpec.parse("nanospec:1024@chain:3", TREE)
-    assert (s.kind, s.head, s.tree.total_tokens, s.reference) == ("spec", "nanospec:1024", 4, "eagle")
-    assert MethodSpec.parse("lowrank", TREE).reference == "eagle3"
+    assert (s.kind, s.head, s.tree.total_tokens) == ("spec", "nanospec:1024", 4)
+    specs = [MethodSpec.parse(m, TREE) for m in ("eagle", "eagle3", "eagle@2x1x4", "lowrank", "nanospec@2x1x4")]
+    assert specs[3].reference(specs).name == "eagle3"  # the low-rank drafter is EAGLE-3's twin
+    assert specs[4].reference(specs).name == "eagle@2x1x4"  # the full head on the same tree
+    assert s.reference(specs) is None  # no full-head run on its tree
     with pytest.raises(SpecheadError):
         MethodSpec.parse("hf-pld:x", TREE)
     ms = expand_methods("ar,main,eagle")

@@ -1,9 +1,12 @@
 """Losslessness of speculative decoding on tiny random targets: greedy token-for-token, sampling in law."""
 
+import warnings
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from spechead import kernels
 from spechead.drafter import random_drafter
 from spechead.engine import Decoder
 from spechead.heads import FullHead
@@ -62,6 +65,17 @@ def test_lookup_branch_is_used_and_lossless(tiny_small_vocab_dir):
     # near the context limit the branch is clipped to the room left, and the output still matches
     prompt = torch.randint(0, 16, (80,), generator=g)
     assert dec.generate(prompt, 40).tokens == dec.generate(prompt, 40, speculative=False).tokens
+
+
+def test_trees_beyond_the_kernels_rows_warn(tiny_small_vocab_dir):
+    """Past 16 rows verification leaves the kernel, and with it bitwise agreement with a decode step."""
+    if not kernels.available():
+        pytest.skip("spechead's kernel is not built on this machine")
+    with pytest.warns(UserWarning, match="verifies up to 24 tokens"):
+        make_decoder(tiny_small_vocab_dir, tree=TreeConfig(4, 4, 16, lookup=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_decoder(tiny_small_vocab_dir, tree=TreeConfig(2, 4, 8, lookup=8))  # 16 rows: no warning
 
 
 def test_eagle3_on_deeper_target(tiny_dir):
