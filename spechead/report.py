@@ -51,9 +51,10 @@ def _categories(out: dict[str, Any]) -> list[str]:
 
 def nanospec_options(name: str) -> tuple[int | None, str] | None:
     """(W_max or None for the default, sources) of a plain ``nanospec[:W][:sources=..]`` method, else None
-    (other options, or another head, would confound the sweep)."""
-    base = name.partition("@")[0]
-    head, _, arg = base.partition(":")
+    (other options, another head or another tree than the run's would confound the sweep)."""
+    if "@" in name:
+        return None
+    head, _, arg = name.partition(":")
     if head != "nanospec":
         return None
     w, sources = None, "ctx+ext"
