@@ -8,12 +8,11 @@ tree's target logits ([60, 128256] bf16) that row_topk replaces. Hot caches, med
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
 from spechead import heads, kernels
+from spechead.headbench import median_ms
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)
@@ -24,13 +23,7 @@ torch.set_num_threads(args.threads)
 
 
 def med_ms(fn, repeats=args.repeats) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return round(statistics.median(ts) * 1e3, 3)
+    return round(median_ms(fn, repeats), 3)
 
 
 def chunked_topk(x, k):
