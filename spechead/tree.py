@@ -13,7 +13,7 @@ retrieval); verification decides every token as before, so it changes nothing in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -79,7 +79,7 @@ class TreeConfig:
             else:
                 k, d, t = (int(x) for x in shape.replace("x", ",").split(","))
                 base = cls(k, d, t)
-            return cls(base.top_k, base.depth, base.total_tokens, lookup)
+            return replace(base, lookup=lookup)
         except ValueError as e:
             raise ValueError(
                 f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N', optionally '+lookup:L'): {e}"
