@@ -496,20 +496,27 @@ def print_table(res: dict) -> None:
 
 
 def issue_bars(report: dict) -> dict:
-    """The issue's CPU bars, at llama3.1-8b, batch 10, bf16: NanoSpec:3072 >= 25x faster than the full
-    head, the rank-512 low-rank head >= 4x, every head within 2x of its own bytes-moved floor."""
+    """The issues' CPU bars at llama3.1-8b in bf16. Issue 4 (batch 10): NanoSpec:3072 >= 25x faster than
+    the full head, the rank-512 low-rank head >= 4x, every head within 2x of its own bytes-moved floor.
+    Issue 12 (every kernel build, set for the AVX2 one): every head within 1.5x of its floor at batch 1
+    and within 2.5x at batch 10."""
     res = report["shapes"].get("llama3.1-8b")
-    if res is None or res["dtype"] != "bf16" or "10" not in res["heads"]["full"]["batches"]:
+    if res is None or res["dtype"] != "bf16":
         return {}
     heads = res["heads"]
     bars = {}
-    for name, want in (("nanospec:3072", 25.0), ("lowrank:512", 4.0)):
-        if name in heads:
-            v = heads[name]["batches"]["10"]["speedup_vs_full"]
-            bars[f"{name} speedup vs full"] = {"value": v, "want": f">= {want}", "pass": v >= want}
-    for name, h in heads.items():
-        v = h["batches"]["10"]["x_floor"]
-        bars[f"{name} time / bytes floor"] = {"value": v, "want": "<= 2", "pass": v <= 2.0}
+    if "10" in heads["full"]["batches"]:
+        for name, want in (("nanospec:3072", 25.0), ("lowrank:512", 4.0)):
+            if name in heads:
+                v = heads[name]["batches"]["10"]["speedup_vs_full"]
+                bars[f"{name} speedup vs full"] = {"value": v, "want": f">= {want}", "pass": v >= want}
+    for batch, want in (("1", 1.5), ("10", 2.0), ("10", 2.5)):
+        for name, h in heads.items():
+            if batch in h["batches"]:
+                v = h["batches"][batch]["x_floor"]
+                issue = "issue 12" if want != 2.0 else "issue 4"
+                key = f"{name} batch {batch} time / bytes floor ({issue})"
+                bars[key] = {"value": v, "want": f"<= {want}", "pass": v <= want}
     return bars
 
 
@@ -537,7 +544,10 @@ def cmd_bench_heads(args) -> int:
             "cores": os.cpu_count(),
             "llc_MB": llc_bytes() / 2**20,
             "torch": torch.__version__,
-            "draft_gemm": "spechead kernel" if kernels.available() else f"fallback: {kernels.unavailable_reason()}",
+            "draft_gemm": f"spechead kernel ({kernels.active_isa()})"
+            if kernels.available()
+            else f"fallback: {kernels.unavailable_reason()}",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
             "repeats": args.repeats,
             "k": args.k,
@@ -549,7 +559,10 @@ def cmd_bench_heads(args) -> int:
         "machine": {k: round(v, 2) for k, v in bw.items()},
         "shapes": {},
     }
-    print(f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads")
+    print(
+        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}); kernels: {report['config']['draft_gemm']}; "
+        f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads"
+    )
     for s in shapes:
         meter.samples.clear()
         res = bench_shape(s, batches, args.dtype, args, flush, meter)

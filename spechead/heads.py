@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from . import kernels
 from .kernels import PackedLinear, row_topk_supported
 
 
@@ -83,7 +84,7 @@ class DraftHead:
 
 
 def fast_topk(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
-    """Exact top-k of each row of x [B, V], values descending. On an AVX-512 CPU, spechead's one-pass
+    """Exact top-k of each row of x [B, V], values descending. Where spechead's kernels run, its one-pass
     kernel (``row_topk``, 5-40x faster than ``Tensor.topk``); elsewhere ~10-50x faster than ``Tensor.topk``
     for vocabulary-wide rows too: take the k best chunk maxima, then the top-k among those k chunks only.
 
@@ -93,7 +94,7 @@ def fast_topk(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
     """
     B, V = x.shape
     if row_topk_supported(x, k):  # one streaming pass per row in C++ (kernels.py)
-        vals, idx = torch.ops.spechead.row_topk(x.contiguous(), min(k, V))
+        vals, idx = kernels.row_topk(x.contiguous(), min(k, V))
         return vals.to(x.dtype), idx
     if V % chunk or V // chunk <= k:
         return x.topk(min(k, V), dim=-1)
@@ -109,7 +110,7 @@ def topk_logprobs(logits: Tensor, k: int, index_map: Tensor | None = None) -> tu
     if row_topk_supported(logits, k):  # fused in one pass per row (kernels.py)
         cpu_map = index_map is None or (index_map.dtype == torch.long and index_map.device.type == "cpu")
         fused_map = index_map.contiguous() if index_map is not None and cpu_map else None
-        logp, idx = torch.ops.spechead.row_topk(logits.contiguous(), min(k, logits.shape[-1]), True, fused_map)
+        logp, idx = kernels.row_topk(logits.contiguous(), min(k, logits.shape[-1]), True, fused_map)
         return logp, idx if cpu_map else index_map[idx]
     logits = logits.float()
     top, idx = fast_topk(logits, k)

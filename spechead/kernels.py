@@ -1,96 +1,169 @@
 """CPU kernels for the draft head and the target's few-row steps (``csrc/draft_gemm.cpp``).
 
 Every draft head ends in ``logits = h @ W.T`` with a handful of rows in h (the tree's top_k) and
-thousands to 150k rows in W; a decode step and a tree verification are the same shape of product.
-It should be bound by the bytes of W. On this project's CPU it was not: oneDNN's bf16 kernel ran at
-~115-140 GFLOP/s at 10 rows, about 2x the bytes floor, because the CPU's bf16 dot-product instruction
-has half the throughput of fp32 FMAs, and MKL's fp32 GEMM repacked the weight on every few-row call.
-``draft_linear`` widens bf16 weights to fp32 in registers (one shift or mask per 16 values) and uses
-FMAs, over a blocked layout of 16 outputs per 64-byte vector (``BlockedWeight``); every output is
-accumulated in one fixed order, so results do not depend on the row count.
+thousands to 260k rows in W; a decode step and a tree verification are the same shape of product.
+It should be bound by the bytes of W. Library GEMMs are not, with 1-16 rows: MKL's fp32 GEMM repacks
+the weight on every few-row call, and oneDNN's bf16 kernel is compute-bound where the CPU's bf16 dot
+product is slow (half the fp32 FMA rate on the AVX-512 machine) or missing (AVX2). ``draft_linear``
+widens bf16 weights to fp32 in registers and uses FMAs over a blocked layout of 16 outputs per 64
+bytes (``BlockedWeight``); every output is accumulated in one fixed order, so results do not depend
+on the row count. ``row_topk`` is the top-k of a few vocabulary-wide rows in one streaming pass,
+optionally fused with the log-softmax and a row -> id map; ``active_set_add`` is NanoSpec's set update
+in one op (``NanoSpecHead._append`` is the reference).
 
-``row_topk`` is the top-k of a few vocabulary-wide rows in one streaming pass, optionally fused with
-the log-softmax and a row -> id map (draft heads' top-k, NanoSpec's update over the tree's target
-logits), where ``torch.topk`` and PyTorch's bf16 reductions run far below memory speed on the CPU.
-``active_set_add`` is NanoSpec's set update in one op (``NanoSpecHead._append`` is the reference).
-
-Where the kernels cannot run (no AVX-512, no compiler or ninja, another device, ``SPECHEAD_KERNELS=0``)
-``BlockedWeight`` and ``PackedLinear`` fall back to ``F.linear`` / oneDNN and the heads to tensor ops.
-The library is compiled on first use with torch's C++ extension tooling (10-30 s, then cached under
-``~/.cache/spechead/kernels``). Measurements and design: docs/heads.md, "CPU kernels".
+One source, one build per instruction set, each registering its ops under its own namespace
+(``torch.ops.spechead_avx512``, ``spechead_avx2``, ``spechead_generic``): ``avx512`` (AVX-512F),
+``avx2`` (AVX2 + FMA: every x86-64 since Haswell and Zen 1) and ``generic`` (portable C++, no
+intrinsics: ARM and older x86). The library uses the widest one the CPU runs; ``SPECHEAD_ISA``
+forces a narrower one (so an AVX-512 machine tests the other paths), ``SPECHEAD_KERNELS=0`` disables
+them (then ``F.linear`` and tensor ops serve). Each build is compiled for the host on first use with
+torch's C++ extension tooling (10-30 s, then cached under ``$SPECHEAD_CACHE/kernels/<isa>-<hash>``,
+the hash covering the source, the flags and the torch version). Design and measurements:
+docs/heads.md, "CPU kernels".
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LANES = 16  # outputs per block: one 512-bit vector of fp32
+LANES = 16  # outputs per block of the layout: 64 bytes of fp32
 SOURCE = Path(__file__).parent / "csrc" / "draft_gemm.cpp"
-_state: dict[str, object] = {}
+ISAS = ("avx512", "avx2", "generic")  # widest first
+# -ffp-contract=off: no mul+add is fused behind the code's back, so a build's accumulation order is the code's
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_ISA_FLAGS = {
+    "avx512": ["-DSPECHEAD_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+    "avx2": ["-DSPECHEAD_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_libs: dict[str, Any] = {}  # isa -> torch.ops namespace, or the reason it is unavailable (str)
+_state: dict[str, Any] = {}  # the build the library uses: "isa", "ops", "why"
 
 
-def _build_dir() -> Path:
-    import hashlib
+def host_isas() -> list[str]:
+    """The builds this CPU can run, widest first (from torch's CPU capability, which honours
+    ``ATEN_CPU_CAPABILITY``); ``generic`` runs everywhere."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    isas = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+    return [*isas, "generic"]
 
-    tag = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+
+def _build_dir(isa: str) -> Path:
+    flags = " ".join(_COMMON_FLAGS + _ISA_FLAGS[isa])
+    tag = hashlib.sha1(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode()).hexdigest()[:12]
     root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
-    path = root / "kernels" / tag
+    path = root / "kernels" / f"{isa}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def available() -> bool:
-    """Whether the AVX-512 kernel is usable here (compiles it on the first call)."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    ok = False
-    if os.environ.get("SPECHEAD_KERNELS", "1") == "0":
-        _state["why"] = "disabled by SPECHEAD_KERNELS=0"
-    elif torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
-        _state["why"] = f"CPU capability {torch.backends.cpu.get_cpu_capability()}, needs AVX512"
-    else:
-        try:
-            from torch.utils.cpp_extension import load
-
-            load(
-                name="spechead_draft_gemm",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-mavx512f", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir()),
-                is_python_module=False,
-            )
-            ok = hasattr(torch.ops.spechead, "draft_linear")
-            if ok:
-                _register_fakes()
-        except Exception as e:  # no compiler, no ninja, a failed build: the library still works
-            _state["why"] = f"build failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            warnings.warn(f"spechead: draft-GEMM kernel unavailable ({_state['why']}); using F.linear", stacklevel=2)
-    _state["ok"] = ok
-    return ok
+def library(isa: str) -> Any:
+    """The ops of one build (``torch.ops.spechead_<isa>``), compiled on first use; raises RuntimeError with
+    the reason where it cannot run here. Tests use it to check every build the CPU runs in one process."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {', '.join(ISAS)}")
+    if isa not in _libs:
+        if isa not in host_isas():
+            _libs[isa] = f"this CPU cannot run {isa} (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        else:
+            _libs[isa] = _build(isa)
+    lib = _libs[isa]
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib
 
 
-def _register_fakes() -> None:
-    """Output shapes of the ops for torch.compile's tracing (`--compile`): to the compiler they are opaque."""
+def _build(isa: str) -> Any:
+    name = f"spechead_{isa}"
+    try:
+        from torch.utils.cpp_extension import load
 
-    @torch.library.register_fake("spechead::draft_linear")
+        load(
+            name=f"{name}_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=[*_COMMON_FLAGS, *_ISA_FLAGS[isa], f"-DSPECHEAD_NS={name}"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir(isa)),
+            is_python_module=False,
+        )
+        ops = getattr(torch.ops, name)
+        if not hasattr(ops, "draft_linear"):
+            return f"the {isa} build registered no ops"
+    except Exception as e:  # no compiler, no ninja, a failed build: the library still works
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{isa} build failed: {type(e).__name__}: {first}"
+    _register_fakes(name)
+    return ops
+
+
+def _register_fakes(name: str) -> None:
+    """Output shapes of the ops for torch.compile's tracing (``--compile``): to the compiler they are opaque."""
+
+    @torch.library.register_fake(f"{name}::draft_linear")
     def _draft_linear(x: Tensor, w: Tensor, blocks: int) -> Tensor:
         return x.new_empty((x.shape[0], blocks * LANES), dtype=torch.float32)
 
-    @torch.library.register_fake("spechead::row_topk")
+    @torch.library.register_fake(f"{name}::row_topk")
     def _row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None):
         return x.new_empty((x.shape[0], k), dtype=torch.float32), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
+def _select() -> None:
+    """Pick the build the library uses: the widest the CPU runs, or ``SPECHEAD_ISA`` if narrower."""
+    if os.environ.get("SPECHEAD_KERNELS", "1") == "0":
+        _state.update(isa=None, ops=None, why="disabled by SPECHEAD_KERNELS=0")
+        return
+    runnable = host_isas()
+    want = os.environ.get("SPECHEAD_ISA", "").strip().lower() or runnable[0]
+    if want not in ISAS:
+        raise ValueError(f"SPECHEAD_ISA={want!r}: expected one of {', '.join(ISAS)}")
+    if want not in runnable:
+        msg = f"spechead: SPECHEAD_ISA={want} but this CPU runs {', '.join(runnable)}; using {runnable[0]}"
+        warnings.warn(msg, stacklevel=3)
+        want = runnable[0]
+    reasons = []
+    for isa in runnable[runnable.index(want) :]:  # a failed build falls back to the next narrower one
+        try:
+            _state.update(isa=isa, ops=library(isa), why="")
+            if reasons:
+                warnings.warn(f"spechead: {'; '.join(reasons)}; using the {isa} kernels", stacklevel=3)
+            return
+        except RuntimeError as e:
+            reasons.append(str(e))
+    _state.update(isa=None, ops=None, why="; ".join(reasons))
+    warnings.warn(f"spechead: CPU kernels unavailable ({_state['why']}); using F.linear", stacklevel=3)
+
+
+def active_isa() -> str | None:
+    """The build the library uses (``avx512``, ``avx2``, ``generic``), None when the kernels are off."""
+    if "isa" not in _state:
+        _select()
+    return _state["isa"]
+
+
+def available() -> bool:
+    """Whether a kernel build is usable here (compiles it on the first call)."""
+    return active_isa() is not None
+
+
 def unavailable_reason() -> str:
-    available()
+    active_isa()
     return str(_state.get("why", ""))
+
+
+def ops() -> Any:
+    """The active build's op namespace (``torch.ops.spechead_<isa>``); only valid when ``available()``."""
+    if active_isa() is None:
+        raise RuntimeError(f"spechead kernels unavailable: {unavailable_reason()}")
+    return _state["ops"]
 
 
 def supports(weight: Tensor) -> bool:
@@ -108,7 +181,7 @@ ROW_TOPK_MAX_K = 64  # the kernel's top-k keeps a sorted buffer of k entries: me
 
 
 def row_topk_supported(x: Tensor, k: int) -> bool:
-    """``torch.ops.spechead.row_topk`` serves 2-D CPU rows of bf16 or fp32 (values come back in fp32), small k."""
+    """``row_topk`` serves 2-D CPU rows of bf16 or fp32 (values come back in fp32), small k."""
     return (
         k <= ROW_TOPK_MAX_K
         and x.dim() == 2
@@ -116,6 +189,12 @@ def row_topk_supported(x: Tensor, k: int) -> bool:
         and x.dtype in (torch.bfloat16, torch.float32)
         and available()
     )
+
+
+def row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k values (fp32, descending; log-probabilities with ``log_softmax``) and indices (through
+    ``index_map`` when given) of each row of a contiguous 2-D CPU tensor, in one pass per row."""
+    return ops().row_topk(x, k, log_softmax, index_map)
 
 
 class BlockedWeight:
@@ -175,58 +254,37 @@ class BlockedWeight:
         n = self.rows if n is None else n
         if not self.blocked:
             return F.linear(x.to(self.dtype), self.data[:n]).float()
-        y = torch.ops.spechead.draft_linear(x, self.data, -(-n // LANES))
+        y = ops().draft_linear(x, self.data, -(-n // LANES))
         return y if y.shape[1] == n else y[:, :n].contiguous()
 
 
 class PackedLinear:
-    """``x @ W.T`` in float32 for a weight that never changes, laid out once for the CPU's kernels.
+    """``x @ W.T`` in float32 for a weight that never changes: a draft head's product, few rows against many.
 
-    A draft head's product has few rows (the tree's top_k) against many, so it should be bound by the
-    bytes of W. In order of preference: spechead's AVX-512 few-row kernel (``kernels.BlockedWeight``:
-    1.3-1.5x the bytes floor at 10 rows in bf16 where oneDNN ran at ~2x, docs/heads.md); else oneDNN's
-    packed layout (what torch.compile's CPU freezing uses; 1.1-1.7x faster than ``F.linear`` in bf16);
-    else ``F.linear`` (other devices, tiny matrices, builds without oneDNN). Each keeps one copy of W.
+    On the kernel's blocked layout wherever a build runs (every x86-64 and, portably, elsewhere), else
+    ``F.linear`` (other devices, tiny matrices, ``SPECHEAD_KERNELS=0``). Either way one copy of W.
     """
 
-    MIN_NUMEL = 1 << 16  # below this the packed call's fixed cost outweighs the gain
+    MIN_NUMEL = 1 << 16  # below this the kernel's fixed cost (transposing x, forking threads) outweighs the gain
 
-    def __init__(self, weight: Tensor, batch_hint: int = 10) -> None:
+    def __init__(self, weight: Tensor) -> None:
         weight = weight.detach()
         self.shape, self.dtype = weight.shape, weight.dtype
-        self.nbytes = weight.numel() * weight.element_size()
         self.weight: Tensor | None = None
-        self.packed: Tensor | None = None
         self.blocked: BlockedWeight | None = None
         if weight.numel() >= self.MIN_NUMEL and supports(weight):
             self.blocked = BlockedWeight(weight)
             self.nbytes = self.blocked.nbytes
-            return
-        self.weight = weight.contiguous()  # dropped once packed: no second copy
-        if weight.device.type != "cpu" or weight.numel() < self.MIN_NUMEL or not torch.backends.mkldnn.is_available():
-            return
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
-            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-            ref, got = F.linear(x, self.weight), self._packed_call(x, packed)
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return
-        if got.shape == ref.shape and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2):
-            self.packed, self.weight = packed, None
+        else:
+            self.weight = weight.contiguous()
+            self.nbytes = weight.numel() * weight.element_size()
 
     @property
     def kind(self) -> str:
-        """Which path serves the calls: ``kernel``, ``onednn`` or ``linear``."""
-        return "kernel" if self.blocked is not None else "onednn" if self.packed is not None else "linear"
-
-    @staticmethod
-    def _packed_call(x: Tensor, packed: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        """Which path serves the calls: ``kernel`` or ``linear``."""
+        return "kernel" if self.blocked is not None else "linear"
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.blocked is not None:
             return self.blocked(x)
-        x = x.to(self.dtype)
-        if self.packed is not None:
-            return self._packed_call(x, self.packed).float()
-        return F.linear(x, self.weight).float()
+        return F.linear(x.to(self.dtype), self.weight).float()

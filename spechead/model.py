@@ -199,12 +199,13 @@ class PrepackedLinear(nn.Module):
 
     Why: a decode step (1 row) and a tree verification (4-16 rows) should both cost the bytes of the
     weights. With MKL's sgemm they did not: with a few rows it repacked the whole weight on every call, so
-    verifying 8 tokens cost 2.1x a decode step on the 2-core CPU (README, "Verification cost"). Where
-    spechead's draft-GEMM kernel runs (``kernels.py``), every call with up to ``KERNEL_ROWS`` rows uses
-    it: one blocked copy of the weight serves any row count, and each output is accumulated in the same
-    order whatever the row count, so a token's logits are the same bitwise in a decode step and in a
-    verification. Elsewhere the weight is packed for MKL at the given row counts (``pack``). Longer
-    inputs (prefill) use ``F.linear``. Either way the layout costs one more copy of the weight.
+    verifying 8 tokens cost 2.1x a decode step on the 2-core CPU (README, "Verification cost"). Wherever a
+    build of spechead's kernels runs (``kernels.py``: AVX-512, AVX2 or portable C++), every call with up to
+    ``KERNEL_ROWS`` rows uses it: one blocked copy of the weight serves any row count, and each output is
+    accumulated in the same order whatever the row count, so a token's logits are the same bitwise in a
+    decode step and in a verification. Without the kernels (``SPECHEAD_KERNELS=0``, no compiler) the weight
+    is packed for MKL at the given row counts (``pack``; a private torch op, used only where it exists).
+    Longer inputs (prefill) use ``F.linear``. Either way the layout costs one more copy of the weight.
     """
 
     KERNEL_ROWS = 16
@@ -326,8 +327,8 @@ class Transformer(nn.Module):
         return self
 
     def prepack(self, rows: int) -> bool:
-        """Lay out every projection for few-row products: spechead's kernel (any row count up to 16) where
-        it runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
+        """Lay out every projection for few-row products: spechead's kernels (any row count up to 16) where
+        a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
         layout applies. Idempotent; see ``PrepackedLinear`` for why."""
         w = self.lm_head.weight
         if w.device.type != "cpu":

@@ -277,7 +277,7 @@ class NanoSpecHead(DraftHead):
     def _append(self, cand: Tensor) -> None:
         """Add new ids under the overflow policy; refresh last-hit rounds; gather only the new rows."""
         if self.device.type == "cpu" and kernels.available():  # the steps of _update_state, in one C++ op
-            new, slots, k, evicted = torch.ops.spechead.active_set_add(
+            new, slots, k, evicted = kernels.ops().active_set_add(
                 cand.contiguous(), self.in_set, self.slot_of, self.ids, self.last_hit, self.eligible,
                 self.n, self.n_pin, self.round, self.policy == "lru",
             )  # fmt: skip

@@ -1,25 +1,60 @@
-"""The draft-GEMM kernel and its blocked weight layout: same products as F.linear, in-place row writes."""
+"""The CPU kernels, every build this CPU runs (avx512, avx2, generic) in one process: the same products as
+F.linear for every row count, bitwise independent of the row count, in-place row writes, exact row top-k."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from spechead import kernels
-from spechead.kernels import BlockedWeight
+from spechead.kernels import LANES, BlockedWeight
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"kernel unavailable: {kernels.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernels: {kernels.unavailable_reason()}")
+
+
+def _runnable() -> list[str]:
+    """Builds to test: every one the CPU runs, unless the kernels are switched off for this run."""
+    return kernels.host_isas() if kernels.available() else []
+
+
+ISAS = pytest.mark.parametrize("isa", _runnable() or [pytest.param("none", marks=pytest.mark.skip("kernels off"))])
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.double(), w.double()).float()
 
 
-@needs_kernel
+def linear(isa: str, bw: BlockedWeight, x: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    n = bw.rows if n is None else n
+    return kernels.library(isa).draft_linear(x, bw.data, -(-n // LANES))[:, :n]
+
+
+def test_host_isas_and_forcing_a_narrower_one(monkeypatch):
+    """generic runs everywhere; the active build is the widest one, or the one SPECHEAD_ISA names."""
+    isas = kernels.host_isas()
+    assert isas[-1] == "generic" and all(i in kernels.ISAS for i in isas)
+    if kernels.available():
+        assert kernels.active_isa() in isas
+    with pytest.raises(ValueError, match="unknown ISA"):
+        kernels.library("sse9")
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("SPECHEAD_KERNELS", "1")
+    monkeypatch.setenv("SPECHEAD_ISA", "generic")
+    assert kernels.active_isa() == "generic"
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("SPECHEAD_ISA", "mmx")
+    with pytest.raises(ValueError, match="SPECHEAD_ISA"):
+        kernels.active_isa()
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("SPECHEAD_KERNELS", "0")
+    assert kernels.active_isa() is None and "SPECHEAD_KERNELS=0" in kernels.unavailable_reason()
+
+
+@ISAS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(37, 64), (160, 576), (48, 4096), (21, 2)])
-def test_kernel_matches_linear_for_every_row_count(dtype, shape):
-    """1-16 rows go to one kernel call (a template per row count), more are chunked; N need not be a multiple
-    of 16. fp32 accumulation in a different order than F.linear: equal to ~1e-6 relative."""
+def test_kernel_matches_linear_for_every_row_count(isa, dtype, shape):
+    """Every row count up to 40 (tiles per row count, more rows in equal chunks); N need not be a multiple
+    of 16. fp32 accumulation in another order than F.linear: equal to ~1e-6 relative."""
     g = torch.Generator().manual_seed(0)
     n, k = shape
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -27,10 +62,23 @@ def test_kernel_matches_linear_for_every_row_count(dtype, shape):
     assert bw.blocked and bw.shape == (n, k)
     for m in [*range(1, 17), 23, 40]:
         x = torch.randn(m, k, generator=g).to(dtype)
-        got = bw(x)
+        got = linear(isa, bw, x)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got, reference(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
     assert torch.equal(bw.read(), w)
+
+
+@ISAS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_outputs_do_not_depend_on_the_row_count(isa, dtype):
+    """A row's outputs are bitwise the same alone (a decode step) or among 2-24 others (a verification)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 320, generator=g).to(dtype)
+    bw = BlockedWeight(w)
+    x = torch.randn(24, 320, generator=g).to(dtype)
+    alone = torch.cat([linear(isa, bw, x[i : i + 1]) for i in range(24)])
+    for m in (2, 5, 9, 13, 16, 24):
+        assert torch.equal(linear(isa, bw, x[:m]), alone[:m]), m
 
 
 @needs_kernel
@@ -52,7 +100,7 @@ def test_rows_written_in_place_and_prefix_calls(dtype):
 
 
 def test_fallback_without_the_kernel_gives_the_same_products(monkeypatch):
-    """Where the kernel cannot run (no AVX-512, no compiler, CUDA), the plain layout and F.linear serve."""
+    """Where no build can run (no compiler, SPECHEAD_KERNELS=0, CUDA), the plain layout and F.linear serve."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 64, generator=g)
     monkeypatch.setattr(kernels, "supports", lambda weight: False)
@@ -67,51 +115,54 @@ def test_fallback_without_the_kernel_gives_the_same_products(monkeypatch):
     assert torch.equal(bw.read(40), plain)
 
 
-@needs_kernel
-def test_kernel_rejects_bad_shapes():
+@ISAS
+def test_kernel_rejects_bad_shapes(isa):
     bw = BlockedWeight(torch.randn(32, 64))
+    lib = kernels.library(isa)
     with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.spechead.draft_linear(torch.randn(2, 63), bw.data, 2)
+        lib.draft_linear(torch.randn(2, 63), bw.data, 2)
     with pytest.raises(RuntimeError, match="blocks out of range"):
-        torch.ops.spechead.draft_linear(torch.randn(2, 64), bw.data, 3)
+        lib.draft_linear(torch.randn(2, 64), bw.data, 3)
 
 
-@needs_kernel
+@ISAS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("V", [5, 37, 3072, 49152])
-def test_row_topk_values_indices_and_log_softmax(dtype, V):
+def test_row_topk_values_indices_and_log_softmax(isa, dtype, V):
     """Top-k values equal torch.topk's (indices may differ only among ties), the fused log-softmax equals
-    log_softmax at those indices, an index map is applied, and -inf entries are handled."""
+    the exact log_softmax at those indices, an index map is applied, and -inf entries are handled."""
+    lib = kernels.library(isa)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(7, V, generator=g) * 4).to(dtype)
     x[0, : V // 2] = float("-inf")
     x[1] = x[1, 0]  # a row of ties
     k = min(10, V)
-    vals, idx = torch.ops.spechead.row_topk(x, k)
+    vals, idx = lib.row_topk(x, k)
     ref = x.float().topk(k, dim=-1)
     assert torch.equal(vals, ref.values)
     assert torch.equal(x.float().gather(1, idx), ref.values)
     assert torch.equal(idx[1], torch.arange(k))  # ties: the lower index first
-    logp, idx2 = torch.ops.spechead.row_topk(x, k, True)
+    logp, idx2 = lib.row_topk(x, k, True)
     assert torch.equal(idx2, idx)
-    torch.testing.assert_close(logp, x.float().log_softmax(-1).gather(1, idx), rtol=0, atol=2e-6)
+    exact = x.double().log_softmax(-1).gather(1, idx).float()  # (float32 log_softmax is itself off by ~5e-6 here)
+    torch.testing.assert_close(logp, exact, rtol=0, atol=1e-6)
     ids = torch.randperm(V, generator=g)
-    _, mapped = torch.ops.spechead.row_topk(x, k, False, ids)
+    _, mapped = lib.row_topk(x, k, False, ids)
     assert torch.equal(mapped, ids[idx])
     with pytest.raises(RuntimeError, match="index_map"):
-        torch.ops.spechead.row_topk(x, k, False, ids[:-1])
+        lib.row_topk(x, k, False, ids[:-1])
 
 
-@needs_kernel
-def test_row_topk_worst_case_order_is_still_exact():
+@ISAS
+def test_row_topk_worst_case_order_is_still_exact(isa):
     """Ascending rows make every element beat the current k-th best: the slow path, still exact."""
     x = torch.arange(5000.0).repeat(3, 1)
-    vals, idx = torch.ops.spechead.row_topk(x, 8)
+    vals, idx = kernels.library(isa).row_topk(x, 8)
     assert torch.equal(idx, torch.arange(4999, 4991, -1).repeat(3, 1)) and torch.equal(vals, idx.float())
 
 
-@needs_kernel
-def test_row_topk_ranks_nan_lowest():
+@ISAS
+def test_row_topk_ranks_nan_lowest(isa):
     x = torch.tensor([[float("nan"), 1.0, float("nan"), 3.0, 2.0, 0.5]])
-    vals, idx = torch.ops.spechead.row_topk(x, 3)
+    vals, idx = kernels.library(isa).row_topk(x, 3)
     assert idx.tolist() == [[3, 4, 1]] and vals.tolist() == [[3.0, 2.0, 1.0]]

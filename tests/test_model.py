@@ -130,7 +130,7 @@ def test_kernel_projections_match_linear_and_do_not_depend_on_row_count(tiny_dir
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
 def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
-    """Without the kernel (no AVX-512, no compiler), MKL packing at the verification size."""
+    """Without the kernels (SPECHEAD_KERNELS=0, no compiler), MKL packing at the verification size."""
     monkeypatch.setattr(kernels, "supports", lambda weight: False)
     head = check_prepacked_logits(tiny_dir)
     assert head.blocked is None and 4 in head.packed

@@ -1,25 +1,30 @@
-// Few-row GEMM for draft heads on AVX-512 CPUs: y[m, n] = sum_k x[m, k] * w[n, k], tiles of up to 16 rows.
+// Few-row GEMM, row top-k and NanoSpec's set update for the CPU, in one source built once per instruction set:
+// -DSPECHEAD_ISA_AVX512 (AVX-512F), -DSPECHEAD_ISA_AVX2 (AVX2 + FMA, every x86-64 since Haswell / Zen 1) or
+// neither (portable C++, no intrinsics: the compiler vectorises what it can for whatever CPU it targets).
+// Each build registers its ops under its own namespace (SPECHEAD_NS, e.g. spechead_avx2), so one process can
+// load and test every build the CPU can run; kernels.py picks the one the library uses.
 //
-// Why: a draft head multiplies a handful of hidden states (the tree's top_k) against many rows. At
-// 10 rows in bf16 that is 10 flops per weight byte; this CPU's bf16 dot-product instruction runs at
-// half the rate of fp32 FMAs, so oneDNN's kernel is compute-bound at about 2x the bytes floor. Here
-// each 64-byte load of bf16 weights becomes two fp32 vectors with one shift and one mask (the even
-// and the odd k of 16 outputs), and 2 FMAs per input row consume them, which keeps the FMA units
-// ahead of DRAM. Accumulation is in fp32.
+// Why: a draft head multiplies a handful of hidden states (the tree's top_k) against many rows, and a decode
+// step or a tree verification is the same shape of product. It should cost the bytes of the weights. Library
+// GEMMs do not get there with 1-16 rows (MKL repacks the weight per call; oneDNN's bf16 path is compute-bound
+// where the CPU's bf16 dot product is slow or missing). Here bf16 weights are widened to fp32 in registers
+// (a shift for the even k, a mask for the odd k of each pair) and consumed by fp32 FMAs; fp32 weights are
+// streamed as they are. Accumulation is in fp32, and every output is accumulated in one fixed order whatever
+// the number of rows, so a token's logits are bitwise the same in a decode step and in a verification.
 //
-// Weight layout (spechead/kernels.py writes it): rows are grouped in blocks of 16 outputs;
-//   bf16: [N/16][K/2][16][2]  one 64-byte vector = 16 outputs x 2 consecutive k
-//   fp32: [N/16][K][16]       one 64-byte vector = 16 outputs x 1 k
-// so a row can still be rewritten in place (NanoSpec's incremental gather) with one strided copy.
+// Weight layout (kernels.py writes it), the same for every build: rows in blocks of 16 outputs;
+//   bf16: [N/16][K/2][16][2]  64 bytes per k-pair = 16 outputs x 2 consecutive k
+//   fp32: [N/16][K][16]       64 bytes per k      = 16 outputs x 1 k
+// so a row can be rewritten in place (NanoSpec's incremental gather) with one strided copy. A build's vector
+// holds W outputs (16 with AVX-512, 8 otherwise); a 16-output block is 16 / W vectors side by side.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -28,129 +33,324 @@
 #include <utility>
 #include <vector>
 
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <unistd.h>
+#endif
+
+#ifndef SPECHEAD_NS
+#error "build with -DSPECHEAD_NS=<op namespace> (kernels.py does)"
+#endif
+#if defined(SPECHEAD_ISA_AVX512) && !defined(__AVX512F__)
+#error "SPECHEAD_ISA_AVX512 needs -mavx512f"
+#endif
+#if defined(SPECHEAD_ISA_AVX2) && !(defined(__AVX2__) && defined(__FMA__))
+#error "SPECHEAD_ISA_AVX2 needs -mavx2 -mfma"
+#endif
+
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kMaxRows = 16;  // rows per tile; more rows are processed in chunks of 16
-// Software prefetch distance, in 64-byte vectors per weight stream (2 KB ahead). The hardware prefetcher
-// alone left a cold 10-row call at 1.3-1.4x the bytes floor; 32 ahead measured best (8, 64, 128 tried).
-constexpr int64_t kPrefetch = 32;
-constexpr int64_t kL2Bytes = 1 << 20;  // weight bytes kept in L2 while every 16-row chunk of x passes over them
+constexpr int kLanes = 16;  // outputs per block of the layout
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float bf16_to_float(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
 
-// M input rows x NB consecutive 16-output blocks. xt is x transposed, [K][ldx] fp32 (M <= ldx columns used).
-template <int M, int NB>
-void tile(const float* xt, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[M][NB];
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+// ---- one vector of W fp32 lanes: the only part that differs between builds ------------------------------------
+#if defined(SPECHEAD_ISA_AVX512)
+constexpr int W = 16;
+constexpr int kRegs = 32;  // vector registers the tiles may fill
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+// W bf16 (k, k+1) pairs as 32-bit words -> the even-k and the odd-k values of W outputs
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline Vec vload_bf16(const uint16_t* p) {  // W consecutive bf16 values
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline uint32_t vgt_mask(Vec v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_GT_OQ); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// exp(x) for x <= 0: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by a degree-7 Taylor polynomial (relative
+// error < 1e-8 before rounding); scalef applies 2^n and underflows gracefully (x clamped at -150: -inf gives 0)
+inline Vec vexp_nonpositive(Vec x) {
+  const Vec t = _mm512_mul_ps(_mm512_max_ps(x, vset1(-150.0f)), vset1(1.4426950408889634f));
+  const Vec n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = _mm512_sub_ps(t, n);
+  static constexpr float c[] = {1.0f,          0.6931471806f, 0.2402265070f, 0.0555041087f,
+                                0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
+  Vec p = vset1(c[7]);
+  for (int i = 6; i >= 0; --i) p = vfma(p, f, vset1(c[i]));
+  return _mm512_scalef_ps(p, n);
+}
+#elif defined(SPECHEAD_ISA_AVX2)
+constexpr int W = 8;
+constexpr int kRegs = 16;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline Vec vload_bf16(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline uint32_t vgt_mask(Vec v, float t) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(t), _CMP_GT_OQ)));
+}
+inline float vsum(Vec v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+// as above; without scalef, 2^n is built in the exponent bits, so x is clamped at -87 (n >= -126 stays a
+// normal number; exp(-87) ~ 1.6e-38 is nothing next to the row maximum's 1)
+inline Vec vexp_nonpositive(Vec x) {
+  const Vec t = _mm256_mul_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(1.4426950408889634f));
+  const Vec n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = _mm256_sub_ps(t, n);
+  static constexpr float c[] = {1.0f,          0.6931471806f, 0.2402265070f, 0.0555041087f,
+                                0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
+  Vec p = vset1(c[7]);
+  for (int i = 6; i >= 0; --i) p = vfma(p, f, vset1(c[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#else  // portable: no intrinsics. mul then add (built with -ffp-contract=off), no FMA assumed
+constexpr int W = 8;
+constexpr int kRegs = 16;
+#if defined(__GNUC__) || defined(__clang__)
+// the compilers' generic vectors: lowered to whatever SIMD the target has (SSE2, NEON, ...), else to scalars
+typedef float Vec __attribute__((vector_size(W * sizeof(float))));
+typedef uint32_t VecU __attribute__((vector_size(W * sizeof(uint32_t))));
+inline Vec vzero() { return Vec{}; }
+inline Vec vset1(float a) { return Vec{} + a; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return c + a * b; }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vload(const float* p) {
+  Vec r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+inline void vstore(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  VecU raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const VecU e = raw << 16, o = raw & 0xFFFF0000u;
+  std::memcpy(&even, &e, sizeof e);
+  std::memcpy(&odd, &o, sizeof o);
+}
+inline float lane(const Vec& v, int l) { return v[l]; }
+inline void set_lane(Vec& v, int l, float a) { v[l] = a; }
+#else
+struct Vec {
+  float v[W];
+  float operator[](int l) const { return v[l]; }
+};
+inline Vec vzero() { return Vec{}; }
+inline Vec vset1(float a) {
+  Vec r;
+  for (int l = 0; l < W; ++l) r.v[l] = a;
+  return r;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int l = 0; l < W; ++l) c.v[l] = c.v[l] + a.v[l] * b.v[l];
+  return c;
+}
+inline Vec vadd(Vec a, Vec b) {
+  for (int l = 0; l < W; ++l) a.v[l] += b.v[l];
+  return a;
+}
+inline Vec vload(const float* p) {
+  Vec r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  uint32_t raw[W];
+  std::memcpy(raw, p, sizeof raw);
+  for (int l = 0; l < W; ++l) {
+    even.v[l] = bits_to_float(raw[l] << 16);
+    odd.v[l] = bits_to_float(raw[l] & 0xFFFF0000u);
+  }
+}
+inline float lane(const Vec& v, int l) { return v.v[l]; }
+inline void set_lane(Vec& v, int l, float a) { v.v[l] = a; }
+#endif
+inline Vec vload_bf16(const uint16_t* p) {
+  Vec r = vzero();
+  for (int l = 0; l < W; ++l) set_lane(r, l, bf16_to_float(p[l]));
+  return r;
+}
+inline uint32_t vgt_mask(Vec v, float t) {
+  uint32_t m = 0;
+  for (int l = 0; l < W; ++l) m |= static_cast<uint32_t>(lane(v, l) > t) << l;
+  return m;
+}
+inline float vsum(Vec v) {
+  float s = 0.0f;
+  for (int l = 0; l < W; ++l) s += lane(v, l);
+  return s;
+}
+inline Vec vexp_nonpositive(Vec x) {
+  for (int l = 0; l < W; ++l) set_lane(x, l, std::exp(lane(x, l)));
+  return x;
+}
+#endif
+
+constexpr int kVecsPerBlock = kLanes / W;
+
+// ---- the few-row GEMM ------------------------------------------------------------------------------------------
+// Weight type -> vector registers one vector of weights takes in flight (bf16: even + odd) and broadcasts per k step.
+template <typename T>
+constexpr int weight_regs() {
+  return std::is_same_v<T, uint16_t> ? 2 : 1;
+}
+
+// Vectors per tile for M rows: as many accumulators as fit the registers with the weights in flight, at most 4.
+template <int M, typename T>
+constexpr int vecs_per_tile() {
+#if defined(SPECHEAD_ISA_AVX512)
+  // measured on the AVX-512 machine (the formula below would take one more vector at 4, 7 and 13 rows)
+  if constexpr (std::is_same_v<T, uint16_t>) return M <= 3 ? 4 : M <= 6 ? 3 : M <= 12 ? 2 : 1;
+  return M <= 4 ? 4 : M <= 7 ? 3 : M <= 13 ? 2 : 1;
+#else
+  constexpr int wr = weight_regs<T>();
+  for (int nv = 4; nv > 1; --nv)
+    if (M * nv + wr * nv + wr + 1 <= kRegs) return nv;
+  return 1;
+#endif
+}
+
+// Rows one tile takes before its accumulators would spill; more rows are split into equal chunks.
+template <typename T>
+constexpr int max_tile_rows() {
+  int m = 16;
+  while (m > 1 && m + 2 * weight_regs<T>() + 1 > kRegs) --m;
+  return m;
+}
+
+// Software prefetch distance in k steps (64 bytes of a block each): 2 KB ahead. The hardware prefetcher alone
+// left a cold 10-row call at 1.3-1.4x the bytes floor on the AVX-512 machine; 32 measured best (8-128 tried).
+constexpr int64_t kPrefetch = 32;
+
+// M input rows x NV vectors of consecutive outputs starting at vector u0. xt is x transposed: [K][ldx] fp32.
+// Vector u covers outputs [u W, u W + W): block u / kVecsPerBlock, lanes (u % kVecsPerBlock) W on; its weights
+// for step j (a k-pair in bf16, one k in fp32) are 64 bytes after those of step j - 1.
+template <int M, int NV, typename T>
+void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float* y, int64_t ldy) {
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+  constexpr int64_t step = bf16 ? 2 * kLanes : kLanes;  // elements of T per k step of a block
+  const int64_t block = K * kLanes;
+  const T* p[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t u = u0 + v;
+    p[v] = w + (u / kVecsPerBlock) * block + (u % kVecsPerBlock) * W * (bf16 ? 2 : 1);
+  }
+  Vec acc[M][NV];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const int64_t block = K * kLanes;  // elements per 16-output block
-  for (int64_t j = 0; j < K / 2; ++j) {
-    __m512 we[NB], wo[NB];
-    for (int v = 0; v < NB; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (j + kPrefetch) * 2 * kLanes), _MM_HINT_T0);
-      const __m512i raw = _mm512_loadu_si512(w + v * block + j * 2 * kLanes);
-      we[v] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // k = 2j: the low half of each pair
-      wo[v] = _mm512_castsi512_ps(_mm512_and_si512(raw, hi));   // k = 2j + 1: the high half
-    }
-    const float* xe = xt + 2 * j * ldx;
-    const float* xo = xe + ldx;
-    for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_set1_ps(xe[m]);
-      const __m512 b = _mm512_set1_ps(xo[m]);
-      for (int v = 0; v < NB; ++v) {
-        acc[m][v] = _mm512_fmadd_ps(we[v], a, acc[m][v]);
-        acc[m][v] = _mm512_fmadd_ps(wo[v], b, acc[m][v]);
+    for (int v = 0; v < NV; ++v) acc[m][v] = vzero();
+  const int64_t steps = bf16 ? K / 2 : K;
+  for (int64_t j = 0; j < steps; ++j) {
+    if constexpr (bf16) {
+      Vec we[NV], wo[NV];
+      for (int v = 0; v < NV; ++v) {
+        prefetch(p[v] + (j + kPrefetch) * step);
+        vload_pairs(p[v] + j * step, we[v], wo[v]);
+      }
+      const float* xe = xt + 2 * j * ldx;
+      const float* xo = xe + ldx;
+      for (int m = 0; m < M; ++m) {
+        const Vec a = vset1(xe[m]), b = vset1(xo[m]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = vfma(wo[v], b, vfma(we[v], a, acc[m][v]));
+      }
+    } else {
+      Vec wv[NV];
+      for (int v = 0; v < NV; ++v) {
+        prefetch(p[v] + (j + kPrefetch) * step);
+        wv[v] = vload(p[v] + j * step);
+      }
+      const float* xk = xt + j * ldx;
+      for (int m = 0; m < M; ++m) {
+        const Vec a = vset1(xk[m]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = vfma(wv[v], a, acc[m][v]);
       }
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NB; ++v) _mm512_storeu_ps(y + m * ldy + v * kLanes, acc[m][v]);
+    for (int v = 0; v < NV; ++v) vstore(y + m * ldy + (u0 + v) * W, acc[m][v]);
 }
 
-template <int M, int NB>
-void tile(const float* xt, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[M][NB];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_setzero_ps();
-  const int64_t block = K * kLanes;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NB];
-    for (int v = 0; v < NB; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (k + kPrefetch) * kLanes), _MM_HINT_T0);
-      wv[v] = _mm512_loadu_ps(w + v * block + k * kLanes);
-    }
-    const float* xk = xt + k * ldx;
-    for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_set1_ps(xk[m]);
-      for (int v = 0; v < NB; ++v) acc[m][v] = _mm512_fmadd_ps(wv[v], a, acc[m][v]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NB; ++v) _mm512_storeu_ps(y + m * ldy + v * kLanes, acc[m][v]);
+template <typename T>
+using RangeFn = void (*)(const float*, int64_t, const T*, int64_t, float*, int64_t, int64_t, int64_t);
+
+// Vectors [u0, u1) for M rows: tiles of NV vectors, then single vectors for the remainder.
+template <int M, typename T>
+void range(const float* xt, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy, int64_t u0, int64_t u1) {
+  constexpr int NV = vecs_per_tile<M, T>();
+  int64_t u = u0;
+  for (; u + NV <= u1; u += NV) tile<M, NV>(xt, ldx, w, K, u, y, ldy);
+  for (; u < u1; ++u) tile<M, 1>(xt, ldx, w, K, u, y, ldy);
 }
 
-// Blocks per tile: as many accumulators as fit the 32 vector registers with the weights in flight
-// (a bf16 block takes two registers once widened, an fp32 block one).
-template <int M, typename W>
-constexpr int blocks_per_tile() {
-  if constexpr (std::is_same_v<W, uint16_t>) return M <= 3 ? 4 : M <= 6 ? 3 : M <= 12 ? 2 : 1;
-  return M <= 4 ? 4 : M <= 7 ? 3 : M <= 13 ? 2 : 1;
+template <typename T, int... I>
+constexpr std::array<RangeFn<T>, sizeof...(I)> range_table(std::integer_sequence<int, I...>) {
+  return {range<I + 1, T>...};  // range<M> at index M - 1
 }
 
-template <typename W>
-using RangeFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, int64_t);
-
-// Blocks [b0, b1) for M rows: tiles of NB blocks, then single blocks for the remainder.
-template <int M, typename W>
-void range(const float* xt, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  constexpr int NB = blocks_per_tile<M, W>();
-  const int64_t block = K * kLanes;
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) tile<M, NB>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
-  for (; b < b1; ++b) tile<M, 1>(xt, ldx, w + b * block, K, y + b * kLanes, ldy);
+// Bytes of weights a thread keeps in its L2 while every row chunk of x passes over them (half the L2).
+int64_t l2_group_bytes() {
+  static const int64_t bytes = [] {
+    int64_t l2 = 0;
+#if defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return l2 > 0 ? std::max<int64_t>(l2 / 2, 128 << 10) : int64_t{256 << 10};
+  }();
+  return bytes;
 }
 
-// range<M> for M = 1..16, indexed by M - 1
-template <typename W, int... I>
-constexpr std::array<RangeFn<W>, sizeof...(I)> range_table(std::integer_sequence<int, I...>) {
-  return {range<I + 1, W>...};
-}
-
-// Element i of a bf16 (BF16) or fp32 row as fp32: one value, or 16 from i on.
-template <bool BF16>
-inline float load1(const void* row, int64_t i) {
-  if constexpr (BF16) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(row)[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<const float*>(row)[i];
-  }
-}
-
-template <bool BF16>
-inline __m512 load16(const void* row, int64_t i) {
-  if constexpr (BF16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(row) + i);
-  }
-}
-
-// Runs `fn` over blocks [b0, b1) for every chunk of up to 16 rows of x, a group of blocks at a time so that
-// the group's weights are read from DRAM once and from L2 by the later chunks.
-template <typename W>
-void run_chunks(const std::array<RangeFn<W>, kMaxRows>& table, const float* xt, int64_t M, const W* w, int64_t K,
-                float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  const int64_t group = std::max<int64_t>(1, kL2Bytes / (K * kLanes * static_cast<int64_t>(sizeof(W))));
+// Blocks [b0, b1) for all M rows: chunks of equal size (at most max_tile_rows), a group of blocks at a time so
+// the group's weights come from DRAM once and from L2 for the later chunks.
+template <typename T>
+void run_chunks(const float* xt, int64_t M, const T* w, int64_t K, float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  static constexpr int kMax = max_tile_rows<T>();
+  static constexpr auto table = range_table<T>(std::make_integer_sequence<int, kMax>{});
+  const int64_t chunks = (M + kMax - 1) / kMax, rows = (M + chunks - 1) / chunks;
+  const int64_t group = std::max<int64_t>(1, l2_group_bytes() / (K * kLanes * static_cast<int64_t>(sizeof(T))));
   for (int64_t g0 = b0; g0 < b1; g0 += group) {
     const int64_t g1 = std::min(g0 + group, b1);
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t mc = std::min<int64_t>(kMaxRows, M - m0);
-      table[mc - 1](xt + m0, M, w, K, y + m0 * ldy, ldy, g0, g1);
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+      const int64_t mc = std::min<int64_t>(rows, M - m0);
+      table[mc - 1](xt + m0, M, w, K, y + m0 * ldy, ldy, g0 * kVecsPerBlock, g1 * kVecsPerBlock);
     }
   }
 }
@@ -173,8 +373,13 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xs = x_bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   for (int64_t m = 0; m < M; ++m) {
-    const void* row = static_cast<const char*>(xs.data_ptr()) + m * K * xs.element_size();
-    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x_bf16 ? load1<true>(row, k) : load1<false>(row, k);
+    if (x_bf16) {
+      const auto* row = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>()) + m * K;
+      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = bf16_to_float(row[k]);
+    } else {
+      const float* row = xs.data_ptr<float>() + m * K;
+      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = row[k];
+    }
   }
   at::Tensor y = at::empty({M, blocks * kLanes}, x.options().dtype(at::kFloat));
   const float* px = xt.data();
@@ -183,21 +388,31 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
   // a task is a run of blocks (64+ outputs); at 10 rows x 4096 that is ~5 MFLOP, well above the fork cost
   constexpr int64_t grain = 4;
   if (bf16) {
-    static constexpr auto table = range_table<uint16_t>(std::make_integer_sequence<int, kMaxRows>{});
     const auto* pw = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(table, px, M, pw, K, py, ldy, b0, b1); });
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(px, M, pw, K, py, ldy, b0, b1); });
   } else {
-    static constexpr auto table = range_table<float>(std::make_integer_sequence<int, kMaxRows>{});
     const float* pw = w.data_ptr<float>();
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(table, px, M, pw, K, py, ldy, b0, b1); });
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_chunks(px, M, pw, K, py, ldy, b0, b1); });
   }
   return y;
 }
 
-// Top-k of each row of x [R, V] (bf16 or fp32), values descending: one streaming pass per row that
-// compares 16 values at a time against the current k-th best and inserts the few that beat it.
-// Draft heads and NanoSpec's update need the top few of vocabulary-wide rows; torch.topk and bf16
-// reductions run far below the memory speed on the CPU. Equal values keep the lower index first; NaN ranks as -inf.
+// ---- row top-k -------------------------------------------------------------------------------------------------
+template <bool BF16>
+inline float load1(const void* row, int64_t i) {
+  if constexpr (BF16) return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
+  return static_cast<const float*>(row)[i];
+}
+template <bool BF16>
+inline Vec loadv(const void* row, int64_t i) {
+  if constexpr (BF16) return vload_bf16(static_cast<const uint16_t*>(row) + i);
+  return vload(static_cast<const float*>(row) + i);
+}
+
+// Top-k of each row of x [R, V] (bf16 or fp32), values descending: one streaming pass per row that compares W
+// values at a time against the current k-th best and inserts the few that beat it. Draft heads and NanoSpec's
+// update need the top few of vocabulary-wide rows; torch.topk and bf16 reductions run far below the memory speed
+// on the CPU. Equal values keep the lower index first; NaN ranks as -inf.
 template <bool BF16>
 void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) {
   int64_t filled = 0;
@@ -217,14 +432,14 @@ void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) 
   const char* bytes = static_cast<const char*>(row);
   constexpr int64_t elem = BF16 ? 2 : 4;
   int64_t i = 0;
-  for (; i + kLanes <= V; i += kLanes) {
-    _mm_prefetch(bytes + (i + kPrefetch * kLanes) * elem, _MM_HINT_T0);  // the row streams from DRAM
-    const __m512 v = load16<BF16>(row, i);
-    __mmask16 hit = filled < k ? __mmask16(0xFFFF) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(thr), _CMP_GT_OQ);
+  for (; i + W <= V; i += W) {
+    prefetch(bytes + (i + kPrefetch * kLanes) * elem);  // the row streams from DRAM
+    const Vec v = loadv<BF16>(row, i);
+    const uint32_t hit = filled < k ? (1u << W) - 1 : vgt_mask(v, thr);
     if (!hit) continue;
-    alignas(64) float buf[kLanes];
-    _mm512_store_ps(buf, v);
-    for (int l = 0; l < kLanes; ++l)
+    alignas(64) float buf[W];
+    vstore(buf, v);
+    for (int l = 0; l < W; ++l)
       if (((hit >> l) & 1) && (filled < k || buf[l] > thr)) insert(buf[l], i + l);
   }
   for (; i < V; ++i) {
@@ -233,35 +448,26 @@ void topk_row(const void* row, int64_t V, int64_t k, float* vals, int64_t* idx) 
   }
 }
 
-// exp(x) for a vector of x <= 0 (logits minus their row max): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2,
-// 2^f by its degree-7 Taylor polynomial (relative error < 1e-8 before float rounding), scalef for 2^n
-// (which underflows to 0 gracefully; x is clamped at -150 so -inf gives 0).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.0f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  static constexpr float c[] = {1.0f, 0.6931471806f, 0.2402265070f, 0.0555041087f,
-                                0.0096181291f, 0.0013333558f, 0.0001540353f, 0.0000152527f};
-  __m512 p = _mm512_set1_ps(c[7]);
-  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
-}
-
 // log(sum(exp(row - mx))) + mx: the log-softmax normaliser of a row whose maximum is mx.
 template <bool BF16>
-float row_logsumexp(const void* row, int64_t V, float mx) {
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
+double row_logsumexp(const void* row, int64_t V, float mx) {
+  const Vec m = vset1(mx), neg = vset1(-1.0f);
+  constexpr int64_t kFlush = 64 * W;  // fp32 lanes sum this many values, then a double takes them (error ~1e-7)
+  double sum = 0.0;
   int64_t i = 0;
-  for (; i + kLanes <= V; i += kLanes) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(load16<BF16>(row, i), m)));
-  double sum = _mm512_reduce_add_ps(acc);
+  while (i + W <= V) {
+    Vec acc = vzero();
+    for (const int64_t end = std::min(V, i + kFlush); i + W <= end; i += W)
+      acc = vadd(acc, vexp_nonpositive(vfma(m, neg, loadv<BF16>(row, i))));
+    sum += vsum(acc);
+  }
   for (; i < V; ++i) sum += std::exp(static_cast<double>(load1<BF16>(row, i)) - mx);
-  return mx + static_cast<float>(std::log(sum));
+  return mx + std::log(sum);  // in double: the log-probabilities then round once
 }
 
-// With log_softmax, the values are the entries' log-probabilities under the row's softmax (a draft
-// head's scores): one op instead of top-k plus logsumexp, which matters on cold caches.
-// With index_map, the indices returned are index_map[i] (a head's row -> token id map), saving one more op.
+// With log_softmax, the values are the entries' log-probabilities under the row's softmax (a draft head's
+// scores): one op instead of top-k plus logsumexp, which matters on cold caches. With index_map, the indices
+// returned are index_map[i] (a head's row -> token id map), saving one more op.
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k, bool log_softmax,
                                             const std::optional<at::Tensor>& index_map) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.is_contiguous(), "row_topk: x must be a contiguous 2-D CPU tensor");
@@ -292,19 +498,20 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k, bool
       if (map != nullptr)
         for (int64_t j = 0; j < k; ++j) idx[j] = map[idx[j]];
       if (!log_softmax) continue;
-      const float lse = bf16 ? row_logsumexp<true>(row, V, vals[0]) : row_logsumexp<false>(row, V, vals[0]);
-      for (int64_t j = 0; j < k; ++j) vals[j] = std::min(vals[j] - lse, 0.0f);
+      const double lse = bf16 ? row_logsumexp<true>(row, V, vals[0]) : row_logsumexp<false>(row, V, vals[0]);
+      for (int64_t j = 0; j < k; ++j) vals[j] = static_cast<float>(std::min(vals[j] - lse, 0.0));
     }
   });
   return {vals, idx};
 }
 
-// NanoSpec's set update (nanospec.py, NanoSpecHead._append, is the reference with the same semantics):
-// refresh the last-hit round of candidates already in the set (LRU), pick the distinct candidates not
-// in it (first occurrence order, drafter-eligible), give them free slots and, under LRU, the slots of
-// the least recently hit ids (stable by slot, never one hit this round), and update ids / membership /
-// slot map / last-hit in place. Returns (new ids that got a slot, their slots, new ids in all, evicted).
-// It is a few hundred scalar steps; as ~30 tensor ops it cost ~0.5 ms per round with cold caches.
+// ---- NanoSpec's set update (scalar code: the same in every build) ---------------------------------------------
+// nanospec.py, NanoSpecHead._append, is the reference with the same semantics: refresh the last-hit round of
+// candidates already in the set (LRU), pick the distinct candidates not in it (first occurrence order,
+// drafter-eligible), give them free slots and, under LRU, the slots of the least recently hit ids (stable by
+// slot, never one hit this round), and update ids / membership / slot map / last-hit in place. Returns (new ids
+// that got a slot, their slots, new ids in all, evicted). A few hundred scalar steps; as ~30 tensor ops it cost
+// ~0.5 ms per round with cold caches.
 std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> active_set_add(
     const at::Tensor& cand, at::Tensor& in_set, at::Tensor& slot_of, at::Tensor& ids, at::Tensor& last_hit,
     const std::optional<at::Tensor>& eligible, int64_t n, int64_t n_pin, int64_t round, bool lru) {
@@ -376,16 +583,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> active_set_add(
   return {new_ids, new_slots, k, evicted};
 }
 
+int64_t vector_lanes() { return W; }
+
 }  // namespace
 
-TORCH_LIBRARY(spechead, m) {
+// SPECHEAD_NS is a macro: these wrappers expand it before TORCH_LIBRARY pastes it into names
+#define SPECHEAD_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define SPECHEAD_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
   m.def("draft_linear(Tensor x, Tensor w, int blocks) -> Tensor");
   m.def("row_topk(Tensor x, int k, bool log_softmax=False, Tensor? index_map=None) -> (Tensor, Tensor)");
   m.def(
       "active_set_add(Tensor cand, Tensor(a!) in_set, Tensor(b!) slot_of, Tensor(c!) ids, Tensor(d!) last_hit, "
       "Tensor? eligible, int n, int n_pin, int round, bool lru) -> (Tensor, Tensor, int, int)");
+  m.def("vector_lanes() -> int", vector_lanes);
 }
-TORCH_LIBRARY_IMPL(spechead, CPU, m) {
+SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("draft_linear", draft_linear);
   m.impl("row_topk", row_topk);
   m.impl("active_set_add", active_set_add);
