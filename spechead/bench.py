@@ -192,6 +192,7 @@ class Run:
     prefill_s: float = 0.0
     trace: list[dict[str, float]] = field(default_factory=list)  # NanoSpec/hybrid, per round of the first turn
     turns: int = 1
+    mode_rounds: dict[str, int] = field(default_factory=dict)  # target forwards per mode (the engine's guard)
 
     @property
     def tokens_per_s(self) -> float:
@@ -212,7 +213,16 @@ class Run:
             self.prefill_s + other.prefill_s,
             self.trace or other.trace,
             self.turns + other.turns,
+            _add_counts(self.mode_rounds, other.mode_rounds),
         )
+
+
+def _add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 Runner = Callable[[list[int], int, SamplingConfig], Run]
@@ -265,7 +275,10 @@ def engine_runner(dec, speculative: bool) -> Runner:
         res = dec.generate(ids, max_new, sampling, speculative=speculative)
         wall = time.perf_counter() - t0
         trace = list(getattr(dec.head, "trace", None) or []) if speculative else []
-        return Run(res.tokens, wall, res.accept_lengths, res.timers_ms, res.head_stats, res.prefill_s, trace)
+        return Run(
+            res.tokens, wall, res.accept_lengths, res.timers_ms, res.head_stats, res.prefill_s, trace,
+            mode_rounds=res.mode_rounds,
+        )  # fmt: skip
 
     return run
 
@@ -311,6 +324,7 @@ def summarize(runs: list[Run], ar_runs: list[Run] | None = None, greedy: bool = 
         "wall_s": sum(r.wall_s for r in runs),
         "prefill_ms": _mean([r.prefill_s * 1e3 for r in runs]),
         "rounds": sum(len(r.accept_lengths) for r in runs),
+        "mode_rounds": _add_counts(*(r.mode_rounds for r in runs)),
     }
     decode_ms = sum((r.wall_s - r.prefill_s) * 1e3 for r in runs if r.prefill_s)
     out["decode_round_ms"] = decode_ms / out["rounds"] if out["rounds"] and decode_ms else float("nan")

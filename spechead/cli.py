@@ -78,6 +78,7 @@ def cmd_generate(args) -> int:
                     "stop_reason": res.stop_reason,
                     "timers_ms": res.timers_ms,
                     "head_stats": res.head_stats,
+                    "mode_rounds": res.mode_rounds,
                 }
             )
         )

@@ -5,13 +5,20 @@ draft a tree from the drafter's state (drafter backbone + draft head), verify al
 target forward under a tree attention mask, accept the longest path the target agrees with (or
 the lossless sampling rule), compact the target KV cache to that path, show the head the verified
 tree, and catch the drafter up on the accepted tokens, which also yields the next tree's root state.
+
+A guard (``GuardConfig``) keeps speculation from being slower than plain decoding: when the measured
+speculative rate falls below the AR step rate, the loop decodes autoregressively for a while (the same
+target step as ``_autoregressive``, so the output is unchanged), then probes speculation again.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 import warnings
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,11 +43,102 @@ class GenerationResult:
     wall_s: float = 0.0
     prefill_s: float = 0.0
     head_stats: dict[str, float] = field(default_factory=dict)
+    mode_rounds: dict[str, int] = field(default_factory=dict)  # target forwards after prefill, per mode
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target forward after prefill (bonus token included)."""
+        """Mean tokens committed per speculative round (bonus token included); the guard's AR steps are
+        not rounds (see ``mode_rounds``)."""
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
+    per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
+    ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
+    stretch (up to ``max_ar_steps``); a probe that beats AR resets it."""
+
+    enabled: bool = True
+    window: int = 4
+    ar_steps: int = 8
+    max_ar_steps: int = 128
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        def whole(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"GuardConfig.{name} must be an integer >= {low}, got {v!r}")
+
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"GuardConfig.enabled must be a bool, got {self.enabled!r}")
+        whole("window", 1)
+        whole("ar_steps", 1)
+        whole("max_ar_steps", self.ar_steps)
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not (0 < m < math.inf):
+            raise ValueError(f"GuardConfig.margin must be a finite number > 0, got {m!r}")
+
+
+class Guard:
+    """GuardConfig's state machine. The AR step estimate (median of recent AR step times, seeded by a
+    measured ``ar_step_s`` when one is given) lives as long as the decoder; the rest is per request."""
+
+    SAMPLES = 32  # AR step times the median is taken over
+
+    def __init__(
+        self, cfg: GuardConfig, ar_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
+            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
+        self.cfg, self.clock = cfg, clock
+        self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
+        self.begin()
+
+    @property
+    def ar_step_s(self) -> float | None:
+        return statistics.median(self.ar_times) if self.ar_times else None
+
+    def begin(self) -> None:
+        """A new request: speculate first, with the shortest stretch."""
+        self.ar_left = 0  # AR steps to run before the next probe
+        self.stretch = self.cfg.ar_steps  # the next stretch, should speculation lose
+        self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
+        self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
+        self.counts = {"speculative": 0, "ar": 0}
+
+    @property
+    def ar(self) -> bool:
+        """Whether the next step is an AR step."""
+        return self.ar_left > 0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One step done: an AR step if ``ar`` was true, else a speculative round that committed ``tokens``."""
+        if self.ar_left:
+            self.counts["ar"] += 1
+            self.ar_times.append(seconds)
+            self.ar_left -= 1
+            return
+        self.counts["speculative"] += 1
+        if not self.cfg.enabled or not self.warm:
+            self.warm = True
+            return
+        self.rounds.append((tokens, seconds))
+        if len(self.rounds) < self.cfg.window:
+            return
+        ar_s = self.ar_step_s
+        if ar_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
+            self._to_ar(self.cfg.ar_steps)
+        elif sum(t for t, _ in self.rounds) * ar_s < self.cfg.margin * sum(s for _, s in self.rounds):
+            self._to_ar(self.stretch)
+            self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
+        else:
+            self.stretch = self.cfg.ar_steps
+
+    def _to_ar(self, steps: int) -> None:
+        self.ar_left, self.warm = steps, False
+        self.rounds.clear()
 
 
 class Decoder:
@@ -54,8 +152,15 @@ class Decoder:
         tree: TreeConfig | None = None,
         max_len: int = 4096,
         stop_ids: list[int] | None = None,
+        guard: GuardConfig | None = None,
+        ar_step_s: float | None = None,
     ) -> None:
+        """``guard``: the never-slower-than-AR policy (None: none, plain speculation as measured by benchmarks
+        of raw speculative speed; user-facing decoders pass GuardConfig()). ``ar_step_s``: a measured AR
+        step time on this machine, which spares the guard measuring one (it still refines it from the AR
+        steps it runs)."""
         self.target, self.drafter, self.head = target, drafter, head
+        self.guard = Guard(guard or GuardConfig(enabled=False), ar_step_s)
         self.tree = tree or TreeConfig()
         self.max_len = min(max_len, target.config.max_position_embeddings)
         self.stop_ids = set(stop_ids or [])
@@ -170,14 +275,17 @@ class Decoder:
                 logits = self.target(torch.tensor([tok], device=self.device), length).logits[-1]
                 tok = self._choose(logits, cfg, gen)
             length += 1
+        steps = length - ids.numel()
         yield GenerationResult(
-            out, ids.numel(), reason, [1] * (len(out) - 1), dict(tm.ms), time.perf_counter() - t0, prefill_s
-        )
+            out, ids.numel(), reason, [1] * (len(out) - 1), dict(tm.ms), time.perf_counter() - t0, prefill_s,
+            mode_rounds={"speculative": 0, "ar": steps},
+        )  # fmt: skip
 
     def _speculative(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        target, drafter, head, tree_cfg = self.target, self.drafter, self.head, self.tree
+        target, drafter, head, tree_cfg, guard = self.target, self.drafter, self.head, self.tree, self.guard
         tm, gen, t0, dev = Timers(), self._generator(cfg), time.perf_counter(), self.device
         head.timers.reset()
+        guard.begin()
         want_aux = drafter.arch == "eagle3"
         with tm("prefill", dev):
             rows = slice(None) if head.needs_prompt_logits else slice(-1, None)
@@ -189,60 +297,81 @@ class Decoder:
                 lookup.extend(ids.tolist() + [root])
         prefill_s = time.perf_counter() - t0
         length = ids.numel()  # tokens in the target cache; the root is not yet in it
-        feats, next_tokens = drafter.target_features(pre), torch.cat([ids[1:], torch.tensor([root], device=dev)])
+        # the accepted pairs (feature_j, token_{j+1}) the drafter has not seen yet: the prompt's, then those
+        # of every speculative round or AR step since its last catch-up
+        feats, next_tokens = [drafter.target_features(pre)], ids[1:].tolist() + [root]
         out: list[int] = []
         accept_lengths: list[int] = []
         new, reason = self._finish([root], out, max_new)
         out += new
         yield new
         while reason is None:
-            # catch the drafter up on the accepted pairs (feature_j, token_{j+1}); its cache then has `length` pairs
-            with tm("backbone", dev):
-                start = length - feats.shape[0]
-                pos = torch.arange(start, length, device=dev)
-                h = drafter(next_tokens, feats, start, pos, None)  # None = causal
+            step_t0, ar = guard.clock(), guard.ar
             room = self.max_len - length
             if room <= 0:
                 reason = "context"
                 break
-            n_nodes = min(tree_cfg.total_tokens - 1, room - 1)
-            with tm("draft", dev):
-                tree = draft_tree(drafter, head, h[-1:], root, length, tree_cfg, n_nodes)
-                if lookup is not None:
-                    tree = graft(tree, lookup.propose(min(tree_cfg.lookup, room - tree.size)))
-            with tm("verify", dev):
-                mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
-                vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)
-                tokens = tree.tokens.tolist()
-                children: list[list[int]] = [[] for _ in tokens]
-                for node, par in enumerate(tree.parents[1:], start=1):
-                    children[par].append(node)
-                if cfg.greedy:
-                    path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
-                else:
-                    path, bonus = accept_sampling(tokens, children, vo.logits, cfg, gen)
-                path_t = torch.tensor(path, device=dev)
-                if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
-                    target.move_cache(path_t + length, length)
-            committed = [tokens[n] for n in path[1:]] + [bonus]
+            if ar:  # exactly _autoregressive's step; the head sees it as a one-node tree
+                with tm("ar", dev):
+                    tree_tokens = torch.tensor([root], device=dev)
+                    vo = target(tree_tokens, length, want_aux=want_aux)
+                    committed, path_t = [self._choose(vo.logits[-1], cfg, gen)], None
+            else:
+                # catch the drafter up on the accepted pairs; its cache then has `length` pairs
+                with tm("backbone", dev):
+                    f, feats = torch.cat(feats), []
+                    pos = torch.arange(length - f.shape[0], length, device=dev)
+                    h = drafter(torch.tensor(next_tokens, device=dev), f, length - f.shape[0], pos, None)  # causal
+                    next_tokens = []
+                n_nodes = min(tree_cfg.total_tokens - 1, room - 1)
+                with tm("draft", dev):
+                    tree = draft_tree(drafter, head, h[-1:], root, length, tree_cfg, n_nodes)
+                    if lookup is not None:
+                        tree = graft(tree, lookup.propose(min(tree_cfg.lookup, room - tree.size)))
+                with tm("verify", dev):
+                    mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
+                    vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)
+                    tokens = tree.tokens.tolist()
+                    children: list[list[int]] = [[] for _ in tokens]
+                    for node, par in enumerate(tree.parents[1:], start=1):
+                        children[par].append(node)
+                    if cfg.greedy:
+                        path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
+                    else:
+                        path, bonus = accept_sampling(tokens, children, vo.logits, cfg, gen)
+                    path_t = torch.tensor(path, device=dev)
+                    if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
+                        target.move_cache(path_t + length, length)
+                committed, tree_tokens = [tokens[n] for n in path[1:]] + [bonus], tree.tokens
             with tm("observe", dev):  # context-aware heads update here (NanoSpec's Ext source)
-                head.observe(tree.tokens, vo.logits, committed)
+                head.observe(tree_tokens, vo.logits, committed)
+            f = drafter.target_features(vo)
+            feats.append(f if path_t is None else f[path_t])
+            next_tokens += committed
+            length += len(committed)
+            root = committed[-1]
             new, reason = self._finish(committed, out, max_new)
-            accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
+            guard.record(len(committed), guard.clock() - step_t0)  # before the yield: the caller's time is not ours
+            if not ar:
+                accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
             out += new
             if lookup is not None:
                 lookup.extend(new)
             if new:
                 yield new
-            feats = drafter.target_features(vo)[path_t]
-            next_tokens = torch.tensor(committed, device=dev)
-            length += len(path)
-            root = bonus
         timers = dict(tm.ms)
         timers["head"] = head.timers.ms.get("head", 0.0)
         timers["gather"] = head.timers.ms.get("gather", 0.0)
         timers["backbone"] = timers.get("backbone", 0.0) + timers.get("draft", 0.0) - timers["head"] - timers["gather"]
         timers.pop("draft", None)
         yield GenerationResult(
-            out, ids.numel(), reason, accept_lengths, timers, time.perf_counter() - t0, prefill_s, head.stats()
+            out,
+            ids.numel(),
+            reason,
+            accept_lengths,
+            timers,
+            time.perf_counter() - t0,
+            prefill_s,
+            head.stats(),
+            dict(guard.counts),
         )

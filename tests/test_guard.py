@@ -1,0 +1,242 @@
+"""The never-slower-than-AR guard: its policy, and that switching modes never changes the output.
+
+No timing assertions: the guard's clock is injected (one tick per reading, so every step "takes" one
+second) or its AR figure is set to an extreme, which makes every switch deterministic."""
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_engine import chi2_pvalue, exact_joint
+
+from spechead.drafter import random_drafter
+from spechead.engine import Decoder, Guard, GuardConfig
+from spechead.heads import make_head
+from spechead.loading import load_target
+from spechead.sampling import SamplingConfig
+from spechead.tree import TreeConfig
+
+# speculation always loses: any round commits fewer than 1e6 tokens per AR step time
+ALWAYS_AR = GuardConfig(window=1, ar_steps=2, max_ar_steps=8, margin=1e6)
+LOOKUP_TREE = "2x1x4+lookup:8"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def ticking() -> Callable[[], float]:
+    count = itertools.count()
+    return lambda: float(next(count))
+
+
+def make_decoder(folder, arch="eagle2", head="full", tree="4x2x8", max_len=256, stop_ids=None, **guard):
+    target, _ = load_target(str(folder))
+    drafter = random_drafter(target, arch, seed=0)
+    w, ids = drafter.head_weight(target)
+    h = make_head(head, w, ids, target.config.vocab_size)
+    return Decoder(target, drafter, h, TreeConfig.parse(tree), max_len, stop_ids, **guard)
+
+
+def with_clock(dec, cfg):
+    """The guard, with a clock that ticks once per reading (every step lasts one second)."""
+    dec.guard = Guard(cfg, clock=ticking())
+    return dec
+
+
+def prompts(n, seed, vocab=16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def check_counts(res):
+    assert len(res.tokens) == 1 + sum(res.accept_lengths) + res.mode_rounds["ar"]
+    assert res.mode_rounds["speculative"] == len(res.accept_lengths)
+
+
+# -- the policy -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"window": 0},
+        {"window": 2.0},
+        {"ar_steps": 0},
+        {"ar_steps": True},
+        {"max_ar_steps": 4},  # below ar_steps (8)
+        {"margin": 0.0},
+        {"margin": -1.0},
+        {"margin": float("nan")},
+        {"margin": float("inf")},
+        {"margin": "1"},
+        {"enabled": 1},
+    ],
+    ids=str,
+)
+def test_config_validation(kw):
+    with pytest.raises(ValueError, match="GuardConfig"):
+        GuardConfig(**kw)
+
+
+def test_ar_step_s_validation():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ar_step_s"):
+            Guard(GuardConfig(), bad)
+
+
+def run_spec(g, tokens, seconds, n=1):
+    for _ in range(n):
+        assert not g.ar
+        g.record(tokens, seconds)
+
+
+def run_ar(g, seconds=1.0):
+    n = 0
+    while g.ar:
+        g.record(1, seconds)
+        n += 1
+    return n
+
+
+def test_policy_backs_off_and_resets():
+    g = Guard(GuardConfig(window=2, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)  # AR: 1 token/s
+    run_spec(g, 3, 1.0, 3)  # the warm-up round, then a window of 3 tokens/s: speculation wins
+    run_spec(g, 1, 2.0, 1)  # window: (3 + 1) tokens in 3 s, still above 1 token/s
+    run_spec(g, 1, 4.0, 1)  # (1 + 1) tokens in 6 s: below, go AR
+    assert run_ar(g) == 2
+    for stretch in (4, 8, 8):  # probes that fail double the stretch, up to the cap
+        run_spec(g, 1, 2.0, 2)  # warm-up round after AR, then the window ...
+        assert not g.ar
+        run_spec(g, 1, 2.0, 1)  # ... full: 0.5 token/s
+        assert run_ar(g) == stretch
+    run_spec(g, 5, 1.0, 3)  # a probe that wins resets the stretch
+    run_spec(g, 1, 9.0, 1)  # (5 + 1) tokens in 10 s
+    assert run_ar(g) == 2
+    assert g.counts == {"speculative": 18, "ar": 24}
+
+
+def test_policy_measures_ar_when_it_has_no_figure():
+    g = Guard(GuardConfig(window=2, ar_steps=3))
+    assert g.ar_step_s is None
+    run_spec(g, 9, 1.0, 3)  # however fast, there is nothing to compare with: measure
+    assert run_ar(g, 0.5) == 3 and g.ar_step_s == 0.5
+    run_spec(g, 9, 1.0, 4)  # 9 tokens/s beats 2: no switch
+    g.begin()  # a new request keeps the estimate
+    assert g.ar_step_s == 0.5 and g.counts == {"speculative": 0, "ar": 0}
+
+
+def test_ar_estimate_is_a_running_median():
+    g = Guard(GuardConfig(window=1, ar_steps=4), ar_step_s=10.0)
+    run_spec(g, 1, 100.0, 2)
+    assert run_ar(g, 1.0) == 4
+    assert g.ar_step_s == 1.0  # median of [10, 1, 1, 1, 1]
+
+
+def test_margin_and_disabled():
+    g = Guard(GuardConfig(window=1, margin=2.0), ar_step_s=1.0)
+    run_spec(g, 3, 1.0, 2)  # 3 tokens/s >= 2 x 1 token/s
+    run_spec(g, 1, 0.6, 1)  # 1.67 tokens/s < 2
+    assert g.ar
+    g = Guard(GuardConfig(enabled=False), ar_step_s=1.0)
+    run_spec(g, 1, 1e9, 50)
+
+
+# -- exactness of the output --------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+@pytest.mark.parametrize("head", ["full", "nanospec", "hybrid:m=4:rank=4"])
+@pytest.mark.parametrize("tree", ["4x2x8", LOOKUP_TREE])
+def test_greedy_with_switches_equals_autoregressive(tiny_small_vocab_dir, arch, head, tree):
+    dec = with_clock(make_decoder(tiny_small_vocab_dir, arch, head, tree), ALWAYS_AR)
+    for prompt in prompts(3, 1):
+        ar = dec.generate(prompt, 48, speculative=False)
+        res = dec.generate(prompt, 48)
+        assert res.tokens == ar.tokens
+        check_counts(res)
+        assert res.mode_rounds["ar"] > 0 and res.mode_rounds["speculative"] >= 4  # back and forth
+        assert res.timers_ms["ar"] > 0
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_tiny_ar_figure_switches(tiny_small_vocab_dir, arch):
+    """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run."""
+    dec = make_decoder(tiny_small_vocab_dir, arch, "nanospec", LOOKUP_TREE, guard=GuardConfig(), ar_step_s=1e-9)
+    for prompt in prompts(2, 2):
+        res = dec.generate(prompt, 60)
+        assert res.tokens == dec.generate(prompt, 60, speculative=False).tokens
+        check_counts(res)
+        assert res.mode_rounds["ar"] > 0 and res.mode_rounds["speculative"] > 0
+
+
+def test_huge_ar_figure_never_switches(tiny_small_vocab_dir):
+    guarded = make_decoder(tiny_small_vocab_dir, tree=LOOKUP_TREE, guard=GuardConfig(window=1), ar_step_s=1e9)
+    plain = make_decoder(tiny_small_vocab_dir, tree=LOOKUP_TREE)
+    assert not plain.guard.cfg.enabled
+    for prompt in prompts(3, 3):
+        a, b = guarded.generate(prompt, 40), plain.generate(prompt, 40)
+        assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+        assert a.mode_rounds == b.mode_rounds == {"speculative": len(b.accept_lengths), "ar": 0}
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_stop_budget_and_context_with_switches(tiny_small_vocab_dir, steps):
+    """Every budget and every stop position, so that a switch lands on the last token in some of them."""
+    cfg = GuardConfig(window=1, ar_steps=steps, max_ar_steps=steps, margin=1e6)
+    dec = with_clock(make_decoder(tiny_small_vocab_dir, tree=LOOKUP_TREE), cfg)
+    prompt = torch.tensor([1, 2, 3])
+    ar = dec.generate(prompt, 30, speculative=False).tokens
+    ends = set()
+    for n in range(1, 31):
+        res = dec.generate(prompt, n)
+        assert res.tokens == ar[:n] and res.stop_reason == "max_new_tokens"
+        check_counts(res)
+        ends.add(dec.guard.ar_left)  # > 0: the request ended in (or right at the start of) an AR stretch
+    assert len(ends) > 1
+    for i, stop in enumerate(ar):
+        if stop in ar[:i]:
+            continue
+        dec.stop_ids = {stop}
+        res = dec.generate(prompt, 30)
+        assert res.tokens == ar[: i + 1] and res.stop_reason == "stop_token"
+        check_counts(res)
+    dec.stop_ids = set()
+    small = with_clock(make_decoder(tiny_small_vocab_dir, tree=LOOKUP_TREE, max_len=24), cfg)
+    for plen in (10, 14, 20):
+        prompt = torch.arange(plen) % 16
+        res, ref = small.generate(prompt, 100), small.generate(prompt, 100, speculative=False)
+        assert res.stop_reason == ref.stop_reason == "context"
+        assert res.tokens == ref.tokens and len(res.tokens) == 24 - plen + 1
+        check_counts(res)
+
+
+class Alternating(Guard):
+    """One AR step after every speculative round: the mode changes at every point of the sequence."""
+
+    def record(self, tokens, seconds):
+        spec = not self.ar
+        super().record(tokens, seconds)
+        if spec:
+            self.ar_left = 1
+
+
+def test_sampling_law_is_unchanged(tiny_small_vocab_dir):
+    cfg = SamplingConfig(1.0)
+    dec = make_decoder(tiny_small_vocab_dir, tree="8x1x12")
+    dec.guard = Alternating(GuardConfig(enabled=False))
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    n = 4
+    law = exact_joint(dec, prompt, cfg, n=n)
+    runs = [dec.generate(prompt, n, SamplingConfig(1.0, seed=i)) for i in range(2000)]
+    for r in runs:
+        check_counts(r)
+    after_ar = sum(r.mode_rounds["ar"] > 0 and r.mode_rounds["speculative"] > 1 for r in runs)
+    assert 200 < after_ar  # speculation after AR steps (the drafter's catch-up) happens often
+    assert 200 < sum(max(r.accept_lengths) > 1 for r in runs) < 1800  # drafts accepted and rejected
+    samples = [r.tokens for r in runs]
+    for positions in ([1], [2], [3], [1, 2], [2, 3], list(range(n))):
+        assert chi2_pvalue(samples, law, positions) > 1e-3, positions
+    wrong = exact_joint(dec, prompt, SamplingConfig(1.3), n=n)
+    assert chi2_pvalue(samples, wrong, list(range(n))) < 1e-3
