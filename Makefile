@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-one lint bench
 setup: $(VENV)/.installed
 
 # torch==2.13.0 is pinned first so the CPU wheel is used where the machine provides it; set
@@ -19,7 +19,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/spechead demo
 
+# The suite once per kernel path this CPU can take (each build the CPU runs, widest first, then none):
+# a test may skip what a path cannot run, never pin which path a CPU gets. `make test-one` runs one path.
 test: setup
+	$(VENV)/bin/ruff check spechead tests
+	@for path in $$($(PY) -m spechead.kernels --test-paths); do \
+		echo "== $$path"; env $$path $(VENV)/bin/pytest -q -p no:cacheprovider || exit 1; \
+	done
+
+test-one: setup
 	$(VENV)/bin/ruff check spechead tests
 	$(VENV)/bin/pytest -q
 

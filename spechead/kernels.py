@@ -288,3 +288,19 @@ class PackedLinear:
         if self.blocked is not None:
             return self.blocked(x)
         return F.linear(x.to(self.dtype), self.weight).float()
+
+
+def test_paths() -> list[str]:
+    """Environment settings that run the test suite on every kernel path this CPU can take: each build,
+    widest first, then none (``make test`` runs the suite once per entry)."""
+    return [f"SPECHEAD_ISA={isa}" for isa in host_isas()] + ["SPECHEAD_KERNELS=0"]
+
+
+if __name__ == "__main__":  # python -m spechead.kernels [--test-paths]
+    import sys
+
+    if "--test-paths" in sys.argv:
+        print(" ".join(test_paths()))
+    else:
+        print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; builds this CPU runs: {host_isas()}")
+        print(f"active: {active_isa() or 'none (' + unavailable_reason() + ')'}")
