@@ -34,10 +34,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .engine import GuardConfig
 from .loading import SpecheadError
-from .pipeline import Session, demo_drafter_path, resolve_drafter
+from .pipeline import AUTO_TREE, Session, demo_drafter_path, resolve_drafter
 from .sampling import SamplingConfig
-from .tree import TREE_HELP, TreeConfig
+from .tree import TreeConfig
+from .tune import AUTO_TREE_HELP
 
 SHARED_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 SUITES = {"spec-bench": "spec_bench.jsonl", "humaneval": "humaneval.jsonl"}
@@ -124,9 +126,11 @@ class MethodSpec:
     pld: int = 10
 
     @classmethod
-    def parse(cls, spec: str, default_tree: TreeConfig) -> MethodSpec:
+    def parse(cls, spec: str, default_tree: TreeConfig | None) -> MethodSpec:
+        """``default_tree`` None (or ``@auto``): the tree is the tuning for the method's drafter and head,
+        resolved when its runner is built (``build_runners``)."""
         base, _, tree = spec.partition("@")
-        t = TreeConfig.parse(tree) if tree else default_tree
+        t = TreeConfig.parse(tree) if tree and tree.strip() != AUTO_TREE else None if tree else default_tree
         name, _, arg = base.partition(":")
         if base in ("hf", "ar"):
             return cls(spec, base)
@@ -154,7 +158,7 @@ class MethodSpec:
         return next((r for r in same if r.head == "full"), None)
 
 
-def check_methods(methods: list[str], tree: TreeConfig) -> list[MethodSpec]:
+def check_methods(methods: list[str], tree: TreeConfig | None) -> list[MethodSpec]:
     """Parse every method before any model loads; an unknown name is a typo, not a method to skip."""
     from .heads import HEADS, _load_head_modules
 
@@ -326,7 +330,8 @@ def summarize(runs: list[Run], ar_runs: list[Run] | None = None, greedy: bool = 
         "rounds": sum(len(r.accept_lengths) for r in runs),
         "mode_rounds": _add_counts(*(r.mode_rounds for r in runs)),
     }
-    decode_ms = sum((r.wall_s - r.prefill_s) * 1e3 for r in runs if r.prefill_s)
+    # the speculative rounds' time: the guard's AR steps (timer "ar") are not rounds
+    decode_ms = sum((r.wall_s - r.prefill_s) * 1e3 - r.timers_ms.get("ar", 0.0) for r in runs if r.prefill_s)
     out["decode_round_ms"] = decode_ms / out["rounds"] if out["rounds"] and decode_ms else float("nan")
     if ar_runs is not None and greedy:
         out["mismatches_vs_ar"] = sum(r.tokens != a.tokens for r, a in zip(runs, ar_runs, strict=True))
@@ -537,6 +542,7 @@ def build_runners(
     specs: list[MethodSpec],
     drafters: dict[str, str],
     log: Callable[[str], None] = print,
+    guard: bool = True,
 ) -> tuple[dict[str, Runner], dict[str, dict[str, Any]], dict[str, str]]:
     """One runner per method; methods that cannot be built here (a missing token list...) are skipped
     with their reason rather than failing the whole run."""
@@ -562,7 +568,13 @@ def build_runners(
             if s.drafter == "lowrank" and getattr(drafter, "low_rank_head", None) is None and head == "lowrank":
                 d = drafter.head_weight(session.target)[0].shape[1]
                 head = f"lowrank:{max(1, d // 8)}"  # no trained low-rank drafter: SVD factors at d/8
-            dec = session.decoder(drafter, head, s.tree)
+            tuned = None
+            if s.tree is None:  # --tree auto: this drafter + head's tuning (measured now if not cached), once
+                from .tune import resolve
+
+                tuned = resolve(session, drafter, head)
+                s.tree = tuned.tree
+            dec = session.decoder(drafter, head, AUTO_TREE if tuned else s.tree, GuardConfig(enabled=guard))
             runners[s.name] = engine_runner(dec, True)
             info[s.name] = {
                 "kind": "spec",
@@ -573,6 +585,15 @@ def build_runners(
                 "drafter_bytes": sum(p.numel() * p.element_size() for p in drafter.parameters()),
                 "rss_added_mb": rss_mb() - before,  # what building it added (a drafter counts once, first use)
             }
+            info[s.name]["tree_spec"] = str(s.tree)
+            if tuned is not None:  # the method keeps its name; its tree is here, in config.trees and in the table
+                info[s.name]["tree_auto"] = {
+                    "tree": str(tuned.tree),
+                    "gather": tuned.gather,
+                    "reason": tuned.reason,
+                    "fallback": tuned.fallback,
+                    "cache": str(tuned.path) if tuned.path else None,
+                }
         except SpecheadError as e:
             skipped[s.name] = str(e)
             log(f"skipping {s.name}: {e}")
@@ -606,25 +627,40 @@ def run_bench(
     drafter_spec: str = "demo",
     max_new_tokens: int = 64,
     sampling: SamplingConfig | None = None,
-    tree: TreeConfig | None = None,
+    tree: TreeConfig | str | None = None,
     progress: bool = True,
     warmup: int = 1,
     drafters: dict[str, str] | None = None,
     heads_json: Path | None = None,
+    guard: bool = True,
 ) -> dict[str, Any]:
+    """``guard``: speculative methods run with the engine's never-slower-than-AR guard, as users get them
+    (their AR steps are left out of the per-round times the speedup model uses). ``tree``: a TreeConfig
+    or spec for every method without its own ``@tree``, None for DEFAULT_TREE, or ``auto``: each (drafter,
+    head)'s tuning, resolved once (``config.trees`` and each method's ``tree_spec`` say which tree it ran)."""
     from .pipeline import DEFAULT_TREE
 
     sampling = sampling or SamplingConfig()
-    tree = tree or DEFAULT_TREE
+    auto = isinstance(tree, str) and tree.strip() == AUTO_TREE
+    if isinstance(tree, str) and not auto:
+        tree = TreeConfig.parse(tree)
+    tree = None if auto else tree or DEFAULT_TREE
     specs = check_methods(methods, tree)
     drafters = {"eagle2": drafter_spec, "eagle3": drafter_spec, "lowrank": drafter_spec, **(drafters or {})}
     log = (lambda msg: tqdm.write(msg, file=sys.stderr)) if progress else (lambda msg: None)
-    runners, info, skipped = build_runners(session, specs, drafters, log)
+    runners, info, skipped = build_runners(session, specs, drafters, log, guard)
     specs = [s for s in specs if s.name in runners]
     if not specs:
         raise SpecheadError("no method could be built: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     results = bench_loop(runners, prompts, session.encode, session.decode, max_new_tokens, sampling, progress, warmup)
-    out = make_report_data(results, prompts, specs, sampling, tree, heads_json)
+    spec_trees = [s.tree for s in specs if s.kind == "spec"]
+    full_tree = next((s.tree for s in specs if s.kind == "spec" and s.head == "full"), None)
+    # under auto, the report's round (the 8B projection) is the full head's tuned tree, else the first method's
+    report_tree = tree or full_tree or next(iter(spec_trees), DEFAULT_TREE)
+    out = make_report_data(results, prompts, specs, sampling, report_tree, heads_json)
+    if auto:
+        out["config"]["tree"] = AUTO_TREE
+        out["config"]["trees"] = {s.name: str(s.tree) for s in specs if s.kind == "spec"}
     out["config"].update(
         {
             "target": str(session.folder),
@@ -776,8 +812,9 @@ def format_table(out: dict[str, Any]) -> str:
     nan = float("nan")
     for name, m in out["methods"].items():
         r = m.get("round_ms", {})
+        label = f"{name}@{m['tree_auto']['tree']}" if "tree_auto" in m else name  # the tree --tree auto chose
         lines.append(
-            f"{name:<26}{m['tokens_per_s']:>8.2f}{m.get('decode_tokens_per_s', nan):>8.2f}{m['tau']:>7.2f}"
+            f"{label:<26}{m['tokens_per_s']:>8.2f}{m.get('decode_tokens_per_s', nan):>8.2f}{m['tau']:>7.2f}"
             f"{m.get('speedup_vs_ar', nan):>8.2f}{m.get('speedup_vs_hf', nan):>8.2f}"
             f"{m.get('mismatches_vs_ar', '-'):>10}"
             f"{r.get('backbone', nan):>8.2f}{r.get('head', nan):>9.2f}{r.get('gather', nan):>9.2f}"
@@ -843,10 +880,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = expand_methods(args.methods)
     if not methods:
         raise SpecheadError("no methods given")
-    tree = TreeConfig.parse(args.tree) if args.tree else None
-    from .pipeline import DEFAULT_TREE
-
-    check_methods(methods, tree or DEFAULT_TREE)
+    tree = AUTO_TREE if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
+    check_methods(methods, None if tree == AUTO_TREE else tree)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     session = Session.open(args.target, args.max_len, compile=args.compile)
     drafters = {"arch": args.arch}  # --eagle3-drafter / --lowrank-drafter default to --drafter
@@ -855,7 +890,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = run_bench(
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
         progress=not args.quiet, warmup=args.warmup, drafters=drafters, heads_json=heads_json,
+        guard=not args.no_guard,
     )  # fmt: skip
+    out["config"]["guard"] = not args.no_guard
     out["config"]["command"] = "spechead " + shlex.join(sys.argv[1:])
     out["config"]["suite"] = args.suite
     if args.note:
@@ -886,7 +923,7 @@ def add_cli(sub) -> None:
         "--lowrank-drafter", default=None, help=f"drafter for 'lowrank' (default: --drafter; demo: {LOWRANK_DEMO})"
     )
     b.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="kind of --drafter (for demo/random)")
-    b.add_argument("--tree", help=TREE_HELP)
+    b.add_argument("--tree", default=AUTO_TREE, help=AUTO_TREE_HELP + "; auto is resolved per (drafter, head)")
     b.add_argument("--heads-json", default=None, help="head benchmark JSON for the 8B projection")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
@@ -897,6 +934,9 @@ def add_cli(sub) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     b.add_argument("--compile", action="store_true", help="torch.compile the target for every engine method")
     b.add_argument("--warmup", type=int, default=1, help="prompts run (turn 1, 16 tokens) before timing")
+    b.add_argument(
+        "--no-guard", action="store_true", help="speculate every round (no fallback to AR when slower): raw speed"
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
     b.set_defaults(func=cmd_bench)

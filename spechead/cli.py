@@ -11,7 +11,14 @@ import time
 from .loading import SpecheadError
 
 # Modules that add their own subcommand through add_cli(subparsers).
-PLUGINS = ["spechead.train", "spechead.vocab", "spechead.headbench", "spechead.server", "spechead.coverage"]
+PLUGINS = [
+    "spechead.train",
+    "spechead.vocab",
+    "spechead.headbench",
+    "spechead.server",
+    "spechead.coverage",
+    "spechead.tune",
+]
 
 DEMO_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -34,9 +41,13 @@ def _sampling(args):
 
 
 def _tree(spec: str | None):
+    """A TreeConfig, or ``auto``: Session.decoder resolves it (the tuning for this machine, target, drafter, head)."""
+    from .pipeline import AUTO_TREE
     from .tree import TreeConfig
 
-    return TreeConfig.parse(spec) if spec else None
+    if spec is None or spec.strip() == AUTO_TREE:
+        return AUTO_TREE
+    return TreeConfig.parse(spec)
 
 
 def cmd_generate(args) -> int:
@@ -79,6 +90,7 @@ def cmd_generate(args) -> int:
                     "timers_ms": res.timers_ms,
                     "head_stats": res.head_stats,
                     "mode_rounds": res.mode_rounds,
+                    "tree": str(dec.tree) if args.method != "ar" else None,
                 }
             )
         )
@@ -89,7 +101,7 @@ def cmd_generate(args) -> int:
             print()
         print(
             f"[{len(res.tokens)} tokens, {len(res.tokens) / res.wall_s:.1f} tok/s, tau {res.tau:.2f}, "
-            f"{res.stop_reason}]",
+            f"{res.stop_reason}" + (f", tree {dec.tree}]" if args.method != "ar" else "]"),
             file=sys.stderr,
         )
     return 0
@@ -105,7 +117,12 @@ def cmd_demo(args) -> int:
     print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
     # plain AR, EAGLE-2 with its full head, and NanoSpec's active-vocabulary head on the same drafter
     ar = session.decoder()
-    methods = {"eagle (full head)": session.decoder(drafter, "full"), "nanospec": session.decoder(drafter, "nanospec")}
+    tree = _tree(args.tree)
+    methods = {
+        "eagle (full head)": session.decoder(drafter, "full", tree),
+        "nanospec": session.decoder(drafter, "nanospec", tree),
+    }
+    print("trees: " + ", ".join(f"{name} {dec.tree}" for name, dec in methods.items()))
     ok = True
     for prompt in DEMO_PROMPTS:
         ids = session.encode(prompt)
@@ -124,7 +141,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .tree import TREE_HELP
+    from .tune import AUTO_TREE_HELP
 
     p = argparse.ArgumentParser(prog="spechead", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random"
             )
-            sp.add_argument("--tree", help=TREE_HELP)
+            sp.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
         sp.add_argument("--max-new-tokens", type=int, default=128)
         sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
         sp.add_argument("--temperature", type=float, default=0.0)
@@ -162,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--max-len", type=int, default=2048)
     d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
     d.set_defaults(func=cmd_demo)
     for name in PLUGINS:  # subcommands that live next to their implementation
         try:

@@ -49,7 +49,7 @@ class Drafter(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         cfg, p = self.config, self.fc.weight
-        if max_len == self.max_len:
+        if max_len <= self.max_len:  # only grows: decoders with different trees share one drafter
             return
         self.max_len = max_len
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)

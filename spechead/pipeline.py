@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter, load_drafter, random_drafter
-from .engine import Decoder
-from .heads import make_head
+from .engine import Decoder, GuardConfig
+from .heads import DraftHead, make_head
 from .loading import SpecheadError, encode_chat, load_target, load_tokenizer, stop_token_ids
 from .model import Transformer
 from .tree import TreeConfig
@@ -22,6 +22,10 @@ DEMO_DRAFTERS = Path(__file__).parent / "drafters"
 # runs for free, and every drafter pass (about 1 ms here) costs more than the tokens it adds. On a GPU,
 # where drafter passes and verification rows are nearly free, the published 10/5/60 applies; pass --tree.
 DEFAULT_TREE = TreeConfig(top_k=2, depth=1, total_tokens=4, lookup=8)
+# The CLI's default tree: what `spechead tune` measured fastest here (spechead/tune.py); DEFAULT_TREE is its
+# fallback where tuning cannot run, and what a decoder gets without a tree.
+AUTO_TREE = "auto"
+GUARD = GuardConfig()  # what the CLI, the server and the benchmark decode with: never slower than AR
 
 
 def demo_drafter_path(arch: str = "eagle2") -> Path | None:
@@ -33,12 +37,14 @@ def resolve_drafter(spec: str, target: Transformer, arch: str = "eagle2", seed: 
     """``demo`` (shipped drafter, or a seeded random one while none ships), ``random`` or a folder."""
     if spec == "demo":
         path = demo_drafter_path(arch)
-        return load_drafter(path, target) if path else random_drafter(target, arch, seed)
-    if spec == "random":
-        return random_drafter(target, arch, seed)
-    if spec.startswith("random:"):
-        return random_drafter(target, spec.split(":", 1)[1], seed)
-    return load_drafter(spec, target)
+        spec = str(path) if path else "random"
+    if spec == "random" or spec.startswith("random:"):
+        arch = spec.split(":", 1)[1] if ":" in spec else arch
+        drafter, source = random_drafter(target, arch, seed), f"random:{arch}:seed={seed}"
+    else:
+        drafter, source = load_drafter(spec, target), str(Path(spec).resolve())
+    drafter.spechead_source = source  # what the tuning cache knows the drafter by (tune.drafter_identity)
+    return drafter
 
 
 @dataclass
@@ -67,21 +73,45 @@ class Session:
     def stop_ids(self) -> list[int]:
         return stop_token_ids(self.tokenizer, self.target.config)
 
-    def decoder(self, drafter: Drafter | None = None, head: str = "full", tree: TreeConfig | None = None) -> Decoder:
-        draft_head = None
-        if drafter is not None:
-            weight, row_ids = drafter.head_weight(self.target)
-            name, _, arg = head.partition(":")
-            own = getattr(drafter, "low_rank_head", None)
-            if own is not None and name in ("full", "lowrank"):
-                # A drafter trained with a SlimSpec head is decoded with its own factors (lowrank:R re-truncates).
-                from .lowrank import LowRankHead
+    def draft_head(self, drafter: Drafter, head: str = "full") -> DraftHead:
+        """The head ``head`` (a spec such as ``nanospec:1024``) over ``drafter``'s LM head."""
+        weight, row_ids = drafter.head_weight(self.target)
+        name, _, arg = head.partition(":")
+        own = getattr(drafter, "low_rank_head", None)
+        if own is not None and name in ("full", "lowrank"):
+            # A drafter trained with a SlimSpec head is decoded with its own factors (lowrank:R re-truncates).
+            from .lowrank import LowRankHead
 
-                rank = int(arg) if arg.isdigit() else None
-                draft_head = LowRankHead(own, row_ids, self.target.config.vocab_size, rank)
+            rank = int(arg) if arg.isdigit() else None
+            return LowRankHead(own, row_ids, self.target.config.vocab_size, rank)
+        return make_head(head, weight, row_ids, self.target.config.vocab_size)
+
+    def decoder(
+        self,
+        drafter: Drafter | None = None,
+        head: str = "full",
+        tree: TreeConfig | str | None = None,
+        guard: GuardConfig | None = GUARD,
+    ) -> Decoder:
+        """``tree``: a TreeConfig or spec, None for DEFAULT_TREE, or ``auto``: the tuned tree for this machine,
+        target, drafter, head and thread count (``tune.resolve``: cached, else measured now; DEFAULT_TREE if
+        tuning cannot run), with the tuned NanoSpec gather mode and the measured AR step time for the guard.
+        ``guard``: the never-slower-than-AR policy user-facing decoders run with (None: speculate every round)."""
+        ar_step_s = None
+        if isinstance(tree, str):
+            if tree.strip() != AUTO_TREE:
+                tree = TreeConfig.parse(tree.strip())
+            elif drafter is None:  # plain AR decoding has no tree to tune
+                tree = None
             else:
-                draft_head = make_head(head, weight, row_ids, self.target.config.vocab_size)
-        return Decoder(self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids)
+                from .tune import resolve
+
+                tuned = resolve(self, drafter, head)
+                tree, head, ar_step_s = tuned.tree, tuned.head_spec(head), tuned.ar_step_s
+        draft_head = self.draft_head(drafter, head) if drafter is not None else None
+        return Decoder(
+            self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids, guard, ar_step_s
+        )
 
     def encode(self, turns: list[dict[str, str]] | str) -> list[int]:
         if isinstance(turns, str):

@@ -27,7 +27,8 @@ from typing import Any
 from .engine import Decoder, GenerationResult
 from .loading import DEMO_NAME, SpecheadError
 from .sampling import SamplingConfig
-from .tree import TREE_HELP, TreeConfig
+from .tree import TreeConfig
+from .tune import AUTO_TREE_HELP
 
 log = logging.getLogger("spechead.server")
 
@@ -825,7 +826,9 @@ def build_engine(args) -> Engine:
 
     from .pipeline import Session, resolve_drafter
 
-    tree = TreeConfig.parse(args.tree) if args.tree else None
+    # auto: each head's decoder gets the tuning for this machine + target + drafter + head (the default head's
+    # at startup, measured then if not cached; another head's on the first request that picks it)
+    tree = args.tree if args.tree is None or args.tree.strip() == "auto" else TreeConfig.parse(args.tree)
     session = Session.open(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     name = args.served_model_name or (DEMO_NAME if args.target == "demo" else Path(args.target).stem)
@@ -858,7 +861,7 @@ def add_cli(subparsers) -> None:
     s.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
     s.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
     s.add_argument("--head", default="full", help="default draft head (a request may pick another)")
-    s.add_argument("--tree", help=TREE_HELP)
+    s.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one decodes")

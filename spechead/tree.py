@@ -21,11 +21,6 @@ from torch import Tensor
 from .drafter import Drafter
 from .heads import DraftHead
 
-TREE_HELP = (
-    "draft tree 'top_k,depth,total_tokens' or 'chain:N', optionally '+lookup:L' (a context-lookup branch "
-    "of up to L tokens); default: the CPU-tuned 2x1x4+lookup:8"
-)
-
 
 @dataclass(frozen=True)
 class TreeConfig:

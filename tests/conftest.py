@@ -8,6 +8,13 @@ import torch
 from spechead.loading import load_target
 
 
+@pytest.fixture(autouse=True)
+def _no_tuning(monkeypatch):
+    """`--tree auto` falls back to the default tree in tests (tests/test_tune.py tests the tuner itself): a
+    first tune measures for about a minute per machine + target + drafter + head."""
+    monkeypatch.setenv("SPECHEAD_TUNE", "off")
+
+
 def write_tiny_llama(path, vocab: int = 64, layers: int = 8, hidden: int = 32, seed: int = 0, std: float = 0.2):
     """Save a random LlamaForCausalLM (transformers' own class) so loading is tested end to end."""
     from transformers import LlamaConfig, LlamaForCausalLM
