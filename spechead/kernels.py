@@ -111,6 +111,10 @@ def _register_fakes(name: str) -> None:
     def _draft_linear(x: Tensor, w: Tensor, blocks: int) -> Tensor:
         return x.new_empty((x.shape[0], blocks * LANES), dtype=torch.float32)
 
+    @torch.library.register_fake(f"{name}::rms_norm")
+    def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+        return torch.empty_like(x)
+
     @torch.library.register_fake(f"{name}::row_topk")
     def _row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None):
         return x.new_empty((x.shape[0], k), dtype=torch.float32), x.new_empty((x.shape[0], k), dtype=torch.long)

@@ -166,3 +166,16 @@ def test_row_topk_ranks_nan_lowest(isa):
     x = torch.tensor([[float("nan"), 1.0, float("nan"), 3.0, 2.0, 0.5]])
     vals, idx = kernels.library(isa).row_topk(x, 3)
     assert idx.tolist() == [[3, 4, 1]] and vals.tolist() == [[3.0, 2.0, 1.0]]
+
+
+@ISAS
+def test_rms_norm_matches_torch_and_does_not_depend_on_the_row_count(isa):
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(5)
+    for d in (576, 640, 37):
+        x, w = torch.randn(16, d, generator=g) * 3, torch.randn(d, generator=g)
+        got = lib.rms_norm(x, w, 1e-6)
+        torch.testing.assert_close(got, F.rms_norm(x.double(), (d,), w.double(), 1e-6).float(), rtol=1e-6, atol=1e-6)
+        assert all(torch.equal(lib.rms_norm(x[i : i + 1], w, 1e-6)[0], got[i]) for i in range(16))
+    with pytest.raises(RuntimeError, match="w must be"):
+        lib.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
