@@ -134,7 +134,10 @@ def cmd_demo(args) -> int:
             s = dec.generate(ids, args.max_new_tokens)
             same = a.tokens == s.tokens
             ok &= same
-            line.append(f"{name} {len(s.tokens) / s.wall_s:.1f} tok/s, tau {s.tau:.2f}, identical to AR: {same}")
+            guarded = f" (guard: {s.mode_rounds['ar']} AR steps)" if s.mode_rounds.get("ar") else ""
+            line.append(
+                f"{name} {len(s.tokens) / s.wall_s:.1f} tok/s, tau {s.tau:.2f}{guarded}, identical to AR: {same}"
+            )
         print(f"\n> {prompt}\n{session.decode(a.tokens)}")
         print("  " + " | ".join(line))
     return 0 if ok else 1

@@ -26,9 +26,10 @@ from typing import Any
 
 from .engine import Decoder, GenerationResult
 from .loading import DEMO_NAME, SpecheadError
+from .pipeline import AUTO_TREE
 from .sampling import SamplingConfig
 from .tree import TreeConfig
-from .tune import AUTO_TREE_HELP
+from .tune import AUTO_TREE_HELP, cached
 
 log = logging.getLogger("spechead.server")
 
@@ -334,7 +335,7 @@ class Engine:
         session,
         drafter,
         head: str = "full",
-        tree: TreeConfig | None = None,
+        tree: TreeConfig | str | None = None,
         queue_size: int = 16,
         timeout: float = 300.0,
         max_tokens: int = 512,
@@ -348,6 +349,7 @@ class Engine:
         self.metrics = Metrics()
         self._tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self._decoders: OrderedDict[str, Decoder] = OrderedDict()
+        self._default_tree: TreeConfig | None = None  # the default head's: other heads' tree when not tuned
         self._decoder(head)  # a bad --head fails at startup, not on the first request
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -486,7 +488,13 @@ class Engine:
         if head in self._decoders:
             self._decoders.move_to_end(head)
             return self._decoders[head]
-        dec = self.session.decoder(self.drafter, head, self.tree)
+        tree = self.tree
+        if tree == AUTO_TREE and self._default_tree is not None:  # not the default head (tuned at startup):
+            tuned = cached(self.session, self.drafter, head)  # its tuning if cached, else the default head's tree
+            tree = AUTO_TREE if tuned is not None else self._default_tree
+        dec = self.session.decoder(self.drafter, head, tree)
+        if self._default_tree is None:
+            self._default_tree = dec.tree
         self._decoders[head] = dec
         while len(self._decoders) > MAX_CACHED_DECODERS:
             self._decoders.popitem(last=False)

@@ -303,16 +303,8 @@ def load_or_tune(
     with _num_threads(threads) as n:
         key, meta = cache_key(session, drafter, head, n)
         path = cache_path(key, head)
-        if not force:
-            if key in _MEMO:
-                return _MEMO[key]
-            data = _read(path)
-            if data is not None and data.get("key") == key and "choice" in data:
-                try:
-                    res = _MEMO[key] = TuneResult.from_data(data, path)
-                    return res
-                except (KeyError, TypeError, ValueError) as e:
-                    _say_once(f"spechead: ignoring a malformed tuning cache {path} ({e}); tuning again")
+        if not force and (res := _cached(key, path)) is not None:
+            return res
         data = measure(session, drafter, head, progress=progress, **settings)
         data["key"], data["meta"] = key, meta
         res = TuneResult.from_data(data, path, measured=True)
@@ -323,6 +315,28 @@ def load_or_tune(
             res.path = None
         _MEMO[key] = res
         return res
+
+
+def _cached(key: str, path: Path) -> TuneResult | None:
+    if key in _MEMO:
+        return _MEMO[key]
+    data = _read(path)
+    if data is not None and data.get("key") == key and "choice" in data:
+        try:
+            res = _MEMO[key] = TuneResult.from_data(data, path)
+            return res
+        except (KeyError, TypeError, ValueError) as e:
+            _say_once(f"spechead: ignoring a malformed tuning cache {path} ({e}); tuning again")
+    return None
+
+
+def cached(session, drafter, head: str = "full", threads: int | None = None) -> TuneResult | None:
+    """The cached tuning if there is one; never measures (the server's other heads, which must not stall
+    the requests behind them for a minute of tuning)."""
+    head = head.strip() or "full"
+    with _num_threads(threads) as n:
+        key, _ = cache_key(session, drafter, head, n)
+        return _cached(key, cache_path(key, head))
 
 
 def resolve(session, drafter, head: str = "full", threads: int | None = None, progress: bool = True) -> TuneResult:
