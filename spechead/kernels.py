@@ -115,6 +115,10 @@ def _register_fakes(name: str) -> None:
     def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
         return torch.empty_like(x)
 
+    @torch.library.register_fake(f"{name}::rope")
+    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.empty_like(x)
+
     @torch.library.register_fake(f"{name}::row_topk")
     def _row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None):
         return x.new_empty((x.shape[0], k), dtype=torch.float32), x.new_empty((x.shape[0], k), dtype=torch.long)

@@ -179,3 +179,16 @@ def test_rms_norm_matches_torch_and_does_not_depend_on_the_row_count(isa):
         assert all(torch.equal(lib.rms_norm(x[i : i + 1], w, 1e-6)[0], got[i]) for i in range(16))
     with pytest.raises(RuntimeError, match="w must be"):
         lib.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+@ISAS
+def test_rope_is_the_tensor_version(isa):
+    """Bitwise the tensor ops of model.apply_rope: the same products and sums, in one pass."""
+    from spechead.model import Rotary
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 12, 64, generator=g)
+    cos, sin = Rotary(64, 100, 10000.0)(torch.tensor([3, 9, 9, 40, 99]))
+    half = 32
+    want = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+    assert torch.equal(kernels.library(isa).rope(x, cos, sin), want)

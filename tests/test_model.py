@@ -134,19 +134,3 @@ def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
     monkeypatch.setattr(kernels, "supports", lambda weight: False)
     head = check_prepacked_logits(tiny_dir)
     assert head.blocked is None and 4 in head.packed
-
-
-def test_few_row_attention_matches_sdpa():
-    """attend_few (decode steps and verifications) computes what SDPA does, with GQA and a tree mask."""
-    from spechead.model import attend_few
-
-    g = torch.Generator().manual_seed(6)
-    for h, kv, t, s in [(9, 3, 1, 40), (9, 3, 7, 40), (4, 4, 16, 16), (8, 2, 5, 9)]:
-        q, k, v = (torch.randn(n, m, 64, generator=g) for n, m in ((h, t), (kv, s), (kv, s)))
-        mask = torch.rand(t, s, generator=g) > 0.3
-        mask[:, 0] = True  # every query sees some key
-        for m in (None, mask):
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=m, enable_gqa=kv != h
-            )[0]
-            torch.testing.assert_close(attend_few(q, k, v, m), want, rtol=1e-5, atol=1e-5)
