@@ -57,12 +57,14 @@ class GuardConfig:
     """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
     per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
     ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
-    stretch (up to ``max_ar_steps``); a probe that beats AR resets it."""
+    stretch (up to ``max_ar_steps``); a probe that beats AR resets it. A window of 4 rounds was too
+    noisy: a few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third
+    of their tokens (the fifth session's benchmark, results/bench/portable)."""
 
     enabled: bool = True
-    window: int = 4
+    window: int = 8
     ar_steps: int = 8
-    max_ar_steps: int = 128
+    max_ar_steps: int = 64
     margin: float = 1.0
 
     def __post_init__(self) -> None:
