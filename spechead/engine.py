@@ -57,14 +57,16 @@ class GuardConfig:
     """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
     per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
     ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
-    stretch (up to ``max_ar_steps``); a probe that beats AR resets it. A window of 4 rounds was too
-    noisy: a few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third
-    of their tokens (the fifth session's benchmark, results/bench/portable)."""
+    stretch (up to ``max_ar_steps``, kept across requests); a probe that beats AR resets it. Two rounds
+    decide already when speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
+    few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third of their
+    tokens; probing a drafter that never hits for a full window per request cost 30 % of AR's speed (the
+    fifth session's benchmark, results/bench/portable)."""
 
     enabled: bool = True
     window: int = 8
     ar_steps: int = 8
-    max_ar_steps: int = 64
+    max_ar_steps: int = 128
     margin: float = 1.0
 
     def __post_init__(self) -> None:
@@ -96,6 +98,8 @@ class Guard:
             raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
         self.cfg, self.clock = cfg, clock
         self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
+        self.stretch = cfg.ar_steps  # the next stretch, should speculation lose (kept across requests)
+        self.losing = False  # whether the last verdict went to AR: the next request then starts with a stretch
         self.begin()
 
     @property
@@ -103,9 +107,9 @@ class Guard:
         return statistics.median(self.ar_times) if self.ar_times else None
 
     def begin(self) -> None:
-        """A new request: speculate first, with the shortest stretch."""
-        self.ar_left = 0  # AR steps to run before the next probe
-        self.stretch = self.cfg.ar_steps  # the next stretch, should speculation lose
+        """A new request: speculate first, unless speculation was losing at the end of the last one (a drafter
+        that never pays then costs one probe per stretch, not a probe per request)."""
+        self.ar_left = self.stretch if self.losing and self.cfg.enabled else 0  # AR steps before the next probe
         self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
         self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
         self.counts = {"speculative": 0, "ar": 0}
@@ -127,16 +131,20 @@ class Guard:
             self.warm = True
             return
         self.rounds.append((tokens, seconds))
-        if len(self.rounds) < self.cfg.window:
+        ar_s, n = self.ar_step_s, len(self.rounds)
+        toks, secs = sum(t for t, _ in self.rounds), sum(s for _, s in self.rounds)
+        # a full window decides; two rounds already do when speculation runs at under half the AR rate (a
+        # drafter that never hits: probing it for a whole window cost more than the guard saved)
+        clearly_slower = ar_s is not None and n >= 2 and toks * ar_s < 0.5 * self.cfg.margin * secs
+        if n < self.cfg.window and not clearly_slower:
             return
-        ar_s = self.ar_step_s
         if ar_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
             self._to_ar(self.cfg.ar_steps)
-        elif sum(t for t, _ in self.rounds) * ar_s < self.cfg.margin * sum(s for _, s in self.rounds):
+        elif toks * ar_s < self.cfg.margin * secs:
             self._to_ar(self.stretch)
-            self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
+            self.stretch, self.losing = min(2 * self.stretch, self.cfg.max_ar_steps), True
         else:
-            self.stretch = self.cfg.ar_steps
+            self.stretch, self.losing = self.cfg.ar_steps, False
 
     def _to_ar(self, steps: int) -> None:
         self.ar_left, self.warm = steps, False

@@ -119,6 +119,22 @@ def test_policy_backs_off_and_resets():
     assert g.counts == {"speculative": 18, "ar": 24}
 
 
+def test_clearly_slower_decides_after_two_rounds_and_carries_over():
+    g = Guard(GuardConfig(window=8, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)  # AR: 1 token/s
+    run_spec(g, 1, 1.5, 2)  # warm-up, then 0.67 token/s: slower, but not clearly (>= half): wait for the window
+    assert not g.ar
+    g = Guard(GuardConfig(window=8, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)
+    run_spec(g, 1, 3.0, 3)  # warm-up, then two rounds at 0.33 token/s: under half the AR rate, decided
+    assert run_ar(g) == 2
+    run_spec(g, 1, 3.0, 3)  # the probe fails the same way: the stretch doubles
+    assert run_ar(g) == 4
+    g.begin()  # a new request starts with the next stretch, speculation having lost the last verdict
+    assert run_ar(g) == 8
+    run_spec(g, 9, 1.0, 9)  # a probe that wins (a full window at 9 tokens/s) resets it
+    g.begin()
+    assert not g.ar
+
+
 def test_policy_measures_ar_when_it_has_no_figure():
     g = Guard(GuardConfig(window=2, ar_steps=3))
     assert g.ar_step_s is None
@@ -162,13 +178,14 @@ def test_greedy_with_switches_equals_autoregressive(tiny_small_vocab_dir, arch, 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_tiny_ar_figure_switches(tiny_small_vocab_dir, arch):
-    """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run."""
+    """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run; the next request
+    starts where the last one left off (in an AR stretch)."""
     dec = make_decoder(tiny_small_vocab_dir, arch, "nanospec", LOOKUP_TREE, guard=GuardConfig(), ar_step_s=1e-9)
-    for prompt in prompts(2, 2):
+    for i, prompt in enumerate(prompts(2, 2)):
         res = dec.generate(prompt, 60)
         assert res.tokens == dec.generate(prompt, 60, speculative=False).tokens
         check_counts(res)
-        assert res.mode_rounds["ar"] > 0 and res.mode_rounds["speculative"] > 0
+        assert res.mode_rounds["ar"] > 0 and (res.mode_rounds["speculative"] > 0) == (i == 0)
 
 
 def test_huge_ar_figure_never_switches(tiny_small_vocab_dir):
