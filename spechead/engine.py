@@ -57,8 +57,9 @@ class GuardConfig:
     """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
     per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
     ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
-    stretch (up to ``max_ar_steps``, kept across requests); a probe that beats AR resets it. Two rounds
-    decide already when speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
+    stretch (up to ``max_ar_steps``, kept across requests, and a request after one that speculation lost
+    as a whole starts with it); a probe that beats AR resets it. In a probe, two rounds decide already when
+    speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
     few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third of their
     tokens; probing a drafter that never hits for a full window per request cost 30 % of AR's speed (the
     fifth session's benchmark, results/bench/portable)."""
@@ -99,19 +100,26 @@ class Guard:
         self.cfg, self.clock = cfg, clock
         self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
         self.stretch = cfg.ar_steps  # the next stretch, should speculation lose (kept across requests)
-        self.losing = False  # whether the last verdict went to AR: the next request then starts with a stretch
+        self.spent = (0, 0.0)  # the last request's counted speculative rounds: (tokens, seconds)
         self.begin()
 
     @property
     def ar_step_s(self) -> float | None:
         return statistics.median(self.ar_times) if self.ar_times else None
 
+    def _slower(self, tokens: int, seconds: float, factor: float = 1.0) -> bool:
+        ar_s = self.ar_step_s
+        return ar_s is not None and seconds > 0 and tokens * ar_s < factor * self.cfg.margin * seconds
+
     def begin(self) -> None:
-        """A new request: speculate first, unless speculation was losing at the end of the last one (a drafter
-        that never pays then costs one probe per stretch, not a probe per request)."""
-        self.ar_left = self.stretch if self.losing and self.cfg.enabled else 0  # AR steps before the next probe
+        """A new request: speculate first, unless speculation lost over the whole last request (a drafter that
+        never pays then costs one probe per stretch, not a window per request)."""
+        lost = self.cfg.enabled and self._slower(*self.spent)
+        self.ar_left = self.stretch if lost else 0  # AR steps before the next probe
         self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
         self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
+        self.probing = lost  # rounds right after an AR stretch
+        self.spent = (0, 0.0)
         self.counts = {"speculative": 0, "ar": 0}
 
     @property
@@ -131,23 +139,24 @@ class Guard:
             self.warm = True
             return
         self.rounds.append((tokens, seconds))
-        ar_s, n = self.ar_step_s, len(self.rounds)
+        self.spent = (self.spent[0] + tokens, self.spent[1] + seconds)
         toks, secs = sum(t for t, _ in self.rounds), sum(s for _, s in self.rounds)
-        # a full window decides; two rounds already do when speculation runs at under half the AR rate (a
-        # drafter that never hits: probing it for a whole window cost more than the guard saved)
-        clearly_slower = ar_s is not None and n >= 2 and toks * ar_s < 0.5 * self.cfg.margin * secs
-        if n < self.cfg.window and not clearly_slower:
+        # a full window decides; in a probe after an AR stretch two rounds already do when speculation runs
+        # at under half the AR rate (probing a drafter that never hits for a whole window cost more than the
+        # guard saved; at the start of a request, two unlucky rounds of a good drafter must not decide)
+        early = self.probing and len(self.rounds) >= 2 and self._slower(toks, secs, 0.5)
+        if len(self.rounds) < self.cfg.window and not early:
             return
-        if ar_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
+        if self.ar_step_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
             self._to_ar(self.cfg.ar_steps)
-        elif toks * ar_s < self.cfg.margin * secs:
+        elif self._slower(toks, secs):
             self._to_ar(self.stretch)
-            self.stretch, self.losing = min(2 * self.stretch, self.cfg.max_ar_steps), True
+            self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
         else:
-            self.stretch, self.losing = self.cfg.ar_steps, False
+            self.stretch, self.probing = self.cfg.ar_steps, False
 
     def _to_ar(self, steps: int) -> None:
-        self.ar_left, self.warm = steps, False
+        self.ar_left, self.warm, self.probing = steps, False, True
         self.rounds.clear()
 
 

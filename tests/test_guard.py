@@ -119,19 +119,19 @@ def test_policy_backs_off_and_resets():
     assert g.counts == {"speculative": 18, "ar": 24}
 
 
-def test_clearly_slower_decides_after_two_rounds_and_carries_over():
-    g = Guard(GuardConfig(window=8, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)  # AR: 1 token/s
-    run_spec(g, 1, 1.5, 2)  # warm-up, then 0.67 token/s: slower, but not clearly (>= half): wait for the window
+def test_probes_decide_early_and_a_lost_request_carries_over():
+    g = Guard(GuardConfig(window=4, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)  # AR: 1 token/s
+    run_spec(g, 1, 3.0, 4)  # at the start of a request, warm-up then three bad rounds do not decide ...
     assert not g.ar
-    g = Guard(GuardConfig(window=8, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)
-    run_spec(g, 1, 3.0, 3)  # warm-up, then two rounds at 0.33 token/s: under half the AR rate, decided
+    run_spec(g, 1, 3.0, 1)  # ... the full window does (0.33 token/s): go AR
     assert run_ar(g) == 2
-    run_spec(g, 1, 3.0, 3)  # the probe fails the same way: the stretch doubles
+    run_spec(g, 1, 3.0, 3)  # in a probe, warm-up then two rounds under half the AR rate decide
     assert run_ar(g) == 4
-    g.begin()  # a new request starts with the next stretch, speculation having lost the last verdict
+    g.begin()  # the request lost as a whole: the next one starts with the next stretch
     assert run_ar(g) == 8
-    run_spec(g, 9, 1.0, 9)  # a probe that wins (a full window at 9 tokens/s) resets it
-    g.begin()
+    run_spec(g, 9, 1.0, 5)  # a probe that wins (a full window at 9 tokens/s) resets it
+    assert not g.ar
+    g.begin()  # and a request that won as a whole lets the next one speculate first
     assert not g.ar
 
 
@@ -178,8 +178,8 @@ def test_greedy_with_switches_equals_autoregressive(tiny_small_vocab_dir, arch, 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_tiny_ar_figure_switches(tiny_small_vocab_dir, arch):
-    """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run; the next request
-    starts where the last one left off (in an AR stretch)."""
+    """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run; after a request that
+    speculation lost, the next one starts in an AR stretch."""
     dec = make_decoder(tiny_small_vocab_dir, arch, "nanospec", LOOKUP_TREE, guard=GuardConfig(), ar_step_s=1e-9)
     for i, prompt in enumerate(prompts(2, 2)):
         res = dec.generate(prompt, 60)
