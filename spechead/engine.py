@@ -101,6 +101,7 @@ class Guard:
         self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
         self.stretch = cfg.ar_steps  # the next stretch, should speculation lose (kept across requests)
         self.spent = (0, 0.0)  # the last request's counted speculative rounds: (tokens, seconds)
+        self.lost = False  # whether speculation lost over the last request that had any
         self.begin()
 
     @property
@@ -114,7 +115,9 @@ class Guard:
     def begin(self) -> None:
         """A new request: speculate first, unless speculation lost over the whole last request (a drafter that
         never pays then costs one probe per stretch, not a window per request)."""
-        lost = self.cfg.enabled and self._slower(*self.spent)
+        if self.spent[1] > 0:  # (a request decoded all in AR leaves the verdict as it was)
+            self.lost = self._slower(*self.spent)
+        lost = self.cfg.enabled and self.lost
         self.ar_left = self.stretch if lost else 0  # AR steps before the next probe
         self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
         self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted

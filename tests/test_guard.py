@@ -129,6 +129,8 @@ def test_probes_decide_early_and_a_lost_request_carries_over():
     assert run_ar(g) == 4
     g.begin()  # the request lost as a whole: the next one starts with the next stretch
     assert run_ar(g) == 8
+    g.begin()  # one decoded all in AR keeps that verdict
+    assert run_ar(g) == 8
     run_spec(g, 9, 1.0, 5)  # a probe that wins (a full window at 9 tokens/s) resets it
     assert not g.ar
     g.begin()  # and a request that won as a whole lets the next one speculate first
