@@ -8,6 +8,17 @@ import torch
 from spechead.loading import load_target
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny shapes gain
+    nothing from a second thread, and where a server process shares the CPU with the test, one thread each
+    avoids oversubscription, which on a busy 2-core machine costs 5x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _no_tuning(monkeypatch):
     """`--tree auto` falls back to the default tree in tests (tests/test_tune.py tests the tuner itself): a

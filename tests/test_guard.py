@@ -22,12 +22,7 @@ ALWAYS_AR = GuardConfig(window=1, ar_steps=2, max_ar_steps=8, margin=1e6)
 LOOKUP_TREE = "2x1x4+lookup:8"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ticking() -> Callable[[], float]:

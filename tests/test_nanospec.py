@@ -16,13 +16,7 @@ from spechead.tree import TreeConfig
 V, D = 200, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes gain nothing from a second thread; on a busy 2-core machine it only adds waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -73,16 +73,7 @@ class Served:
         raise AssertionError("no VmRSS")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The server process and this one (references, the in-process server) share the CPU: one torch
-    thread each avoids oversubscription, which on a busy 2-core machine costs 5x."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
