@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,12 +199,17 @@ def generate_data(
     seed: int = 0,
     threads: int | None = None,
     stop_after: int | None = None,
+    dtype: str = "float32",
 ) -> int:
     """Regenerate the first assistant turn of every prompt with the target, appending to ``out``.
 
-        Batched (left-padded) generation with transformers; resumable: the prompt order is fixed by
-        ``seed``, and the lines already in ``out`` are skipped (``stop_after`` ends this call early, e.g. to
-    fit a time slot). Returns the number of records written.
+    Batched (left-padded) generation with transformers; prompts of similar length share a batch
+    (fewer pad slots). Resumable: the prompt order is fixed by ``seed`` and the settings, and the
+    lines already in ``out`` are skipped (``stop_after`` ends this call early, e.g. to fit a time
+    slot). ``dtype="bfloat16"`` generates about twice as fast where the CPU has bf16 matrix units;
+    the text is then the bf16 target's (the drafter's labels still come from the fp32 target at
+    ``extract`` time). ``<out>.manifest.json`` records what was generated with which target and
+    settings. Returns the number of records written.
     """
     import torch
     from tqdm import tqdm
@@ -238,11 +244,33 @@ def generate_data(
     if not prompts:
         raise SpecheadError("no prompts found (chat records with a user turn) in the given files")
     rng.shuffle(prompts)
+    window = batch_size * 8  # sort within windows: batches of similar length, order still seeded
+    windows = [sorted(prompts[w : w + window], key=lambda p: len(p[2])) for w in range(0, len(prompts), window)]
+    prompts = [p for w in windows for p in w]
+    manifest_path = out.with_name(out.name + ".manifest.json")
+    settings = {
+        "target": target,
+        "target_folder": str(folder),
+        "data": list(specs),
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "batch_size": batch_size,
+        "dtype": dtype,
+        "prompts": len(prompts),
+    }
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest is not None and manifest.get("settings") != settings:
+        raise SpecheadError(f"{out} was generated with other settings ({manifest_path}); use a new --out")
+    manifest = manifest or {"settings": settings, "records": 0, "new_tokens": 0, "generate_s": 0.0}
     done = count_lines(out)
     todo = prompts[done:][:stop_after]
     if not todo:
         return 0
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if dtype not in ("float32", "bfloat16"):
+        raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     stops = stop_token_ids(tok, read_config(folder))
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +286,7 @@ def generate_data(
             for j, (_, _, p) in enumerate(batch):
                 ids[j, width - len(p) :] = torch.tensor(p)
                 att[j, width - len(p) :] = 1
+            t0 = time.perf_counter()
             kw: dict[str, Any] = {"do_sample": temperature > 0}
             if temperature > 0:
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -281,6 +310,10 @@ def generate_data(
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             written += len(batch)
+            manifest["records"] = done + written
+            manifest["new_tokens"] += new_tokens
+            manifest["generate_s"] = round(manifest["generate_s"] + time.perf_counter() - t0, 1)
+            manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
             bar.update(len(batch))
             bar.set_postfix(new_tokens=new_tokens)
     bar.close()

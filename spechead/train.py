@@ -658,6 +658,8 @@ def add_cli(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights to generate with")
+    g.add_argument("--stop-after", type=int, default=None, help="stop this call after N prompts (resume later)")
     g.set_defaults(func=cmd_gen_data)
 
     def common(p) -> None:
@@ -721,6 +723,8 @@ def cmd_gen_data(args) -> int:
         args.temperature,
         args.seed,
         args.threads,
+        args.stop_after,
+        args.dtype,
     )
     print(f"wrote {n} records to {args.out}")
     return 0

@@ -130,3 +130,7 @@ def test_gen_data_is_batched_and_resumable(chat_target, tmp_path):
     assert sorted(r["messages"][0]["content"] for r in got) == [f"question {i}" for i in range(5)]
     assert all(r["messages"][-1]["role"] == "assistant" and r["source"] == "gen:s" for r in got)
     assert generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=4) == 0
+    manifest = json.loads((tmp_path / "gen.jsonl.manifest.json").read_text())
+    assert manifest["records"] == 5 and manifest["settings"]["prompts"] == 5 and manifest["new_tokens"] > 0
+    with pytest.raises(SpecheadError, match="other settings"):  # a resumed run must not mix settings
+        generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=8)
