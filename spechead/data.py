@@ -224,6 +224,7 @@ def generate_data(
     require_chat_template(tok)
     rng = random.Random(seed)
     prompts: list[tuple[str, list[dict[str, str]], list[int]]] = []
+    seen: set[tuple[int, ...]] = set()
     for spec in specs:
         path, limit = parse_data_spec(spec)
         recs = list(read_jsonl(path))
@@ -235,8 +236,9 @@ def generate_data(
                 continue
             ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            if len(ids) > max_prompt_tokens:
+            if len(ids) > max_prompt_tokens or tuple(ids) in seen:  # AlpacaEval repeats each prompt per model
                 continue
+            seen.add(tuple(ids))
             prompts.append((str(rec.get("source", path.stem)), turns, list(ids)))
             kept += 1
             if limit is not None and kept >= limit:
