@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spechead.loading import load_target
+from spechead.model.loading import load_target
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,6 @@ def tiny_target(tiny_dir):
 @pytest.fixture(scope="session")
 def demo_session():
     """The real demo target (SmolLM2-135M-Instruct); converted once and cached."""
-    from spechead.pipeline import Session
+    from spechead.decoding.session import Session
 
     return Session.open("demo", max_len=2048)

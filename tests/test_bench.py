@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spechead.bench import (
+from spechead.bench.core import (
     MT_BENCH,
     MethodSpec,
     Run,
@@ -24,13 +24,13 @@ from spechead.bench import (
     make_report_data,
     project,
     run_prompt,
-    speedup_model,
     write_outputs,
 )
-from spechead.loading import SpecheadError
-from spechead.report import nanospec_options, write_report
-from spechead.sampling import SamplingConfig
-from spechead.tree import TreeConfig
+from spechead.bench.report import nanospec_options, write_report
+from spechead.decoding.sampling import SamplingConfig
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.tuning.speedup import speedup_model
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
 FIRST_KEYS = {
@@ -260,7 +260,7 @@ def test_spec_bench_suite_selection():
 
 
 def test_demo_bench_is_lossless_over_two_turns(demo_session):
-    from spechead.bench import run_bench
+    from spechead.bench.core import run_bench
 
     prompts = [{"id": 81, "category": "writing", "turns": ["Say hello.", "Again, in French."]}]
     out = run_bench(
@@ -290,7 +290,7 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
     ],
 )
 def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):
-    from spechead.cli import main
+    from spechead.cli.commands import main
 
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -300,7 +300,7 @@ def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):
 def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypatch):
     from types import SimpleNamespace
 
-    import spechead.bench as bench
+    import spechead.bench.core as bench
 
     monkeypatch.setattr(bench, "demo_drafter_path", lambda arch="eagle2": None)
     session, cache = SimpleNamespace(target=tiny_target), {}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spechead.coverage import SOURCES, coverage_table, load_records, record_coverage, tokenizer_file
-from spechead.loading import SpecheadError
+from spechead.bench.coverage import SOURCES, coverage_table, load_records, record_coverage, tokenizer_file
+from spechead.errors import SpecheadError
 
 
 def test_record_coverage_by_hand():

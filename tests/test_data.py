@@ -7,8 +7,9 @@ import json
 import pytest
 from conftest import write_tiny_llama
 
-from spechead.data import encode_chat_example, generate_data, load_examples, read_jsonl
-from spechead.loading import SpecheadError, load_tokenizer
+from spechead.errors import SpecheadError
+from spechead.model.tokenizer import load_tokenizer
+from spechead.training.data import encode_chat_example, generate_data, load_examples, read_jsonl
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:'-+=")
 TEMPLATE = (

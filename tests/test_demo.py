@@ -2,9 +2,9 @@
 
 import pytest
 
-from spechead.bench import load_suite
-from spechead.pipeline import resolve_drafter
-from spechead.tree import TreeConfig
+from spechead.bench.core import load_suite
+from spechead.decoding.session import resolve_drafter
+from spechead.decoding.tree import TreeConfig
 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from spechead.drafter import load_drafter, random_drafter
-from spechead.loading import SpecheadError
+from spechead.errors import SpecheadError
+from spechead.model.drafter import load_drafter, random_drafter
 
 EAGLE2_NAMES = {
     "fc.weight",

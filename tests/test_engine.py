@@ -7,12 +7,13 @@ import torch
 from scipy.stats import chisquare
 
 from spechead import kernels
-from spechead.drafter import random_drafter
-from spechead.engine import Decoder
-from spechead.heads import FullHead
-from spechead.loading import SpecheadError, load_target
-from spechead.sampling import SamplingConfig, target_probs
-from spechead.tree import TreeConfig
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.sampling import SamplingConfig, target_probs
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.full import FullHead
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
 
 TREES = [
     TreeConfig(4, 4, 16),

@@ -10,12 +10,13 @@ import pytest
 import torch
 from test_engine import chi2_pvalue, exact_joint
 
-from spechead.drafter import random_drafter
-from spechead.engine import Decoder, Guard, GuardConfig
-from spechead.heads import make_head
-from spechead.loading import load_target
-from spechead.sampling import SamplingConfig
-from spechead.tree import TreeConfig
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.guard import Guard, GuardConfig
+from spechead.decoding.sampling import SamplingConfig
+from spechead.decoding.tree import TreeConfig
+from spechead.heads.base import make_head
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
 
 # speculation always loses: any round commits fewer than 1e6 tokens per AR step time
 ALWAYS_AR = GuardConfig(window=1, ar_steps=2, max_ar_steps=8, margin=1e6)

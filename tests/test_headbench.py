@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from spechead.cli import main
-from spechead.headbench import SHAPES
+from spechead.bench.heads import SHAPES
+from spechead.cli.commands import main
 
 
 def test_bench_heads_report(tmp_path):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from spechead import kernels
-from spechead.kernels import LANES, BlockedWeight
+from spechead.kernels import LANES
+from spechead.kernels.linear import BlockedWeight
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernels: {kernels.unavailable_reason()}")
 
@@ -184,7 +185,7 @@ def test_rms_norm_matches_torch_and_does_not_depend_on_the_row_count(isa):
 @ISAS
 def test_rope_is_the_tensor_version(isa):
     """Bitwise the tensor ops of model.apply_rope: the same products and sums, in one pass."""
-    from spechead.model import Rotary
+    from spechead.model.layers import Rotary
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, 12, 64, generator=g)

@@ -4,22 +4,16 @@ import pytest
 import torch
 
 from spechead import kernels
-from spechead.drafter import random_drafter
-from spechead.engine import Decoder
-from spechead.heads import make_head
-from spechead.loading import SpecheadError, load_target
-from spechead.lowrank import (
-    LowRankHead,
-    LowRankLinear,
-    LowRankScorer,
-    PackedLinear,
-    fast_topk,
-    fast_topk_logprobs,
-    svd_factors,
-    truncate_factors,
-)
-from spechead.tree import TreeConfig
-from spechead.vocab import save_token_map
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.base import fast_topk, make_head
+from spechead.heads.lowrank import LowRankHead, LowRankScorer, fast_topk_logprobs
+from spechead.heads.tokenmaps import save_token_map
+from spechead.kernels.linear import PackedLinear
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
+from spechead.model.lowrank import LowRankLinear, svd_factors, truncate_factors
 
 
 def weight_with_spectrum(V=96, d=32, seed=0):

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from spechead import kernels
-from spechead.loading import SpecheadError, load_target
-from spechead.model import PrepackedLinear, causal_mask, mkl_packing_available
+from spechead.errors import SpecheadError
+from spechead.model.layers import PrepackedLinear, causal_mask, mkl_packing_available
+from spechead.model.loading import load_target
 
 
 def hf_logits(folder, ids):

@@ -5,13 +5,16 @@ import pytest
 import torch
 
 from spechead import kernels
-from spechead.drafter import random_drafter
-from spechead.engine import Decoder
-from spechead.heads import make_head
-from spechead.loading import SpecheadError, load_target
-from spechead.lowrank import LowRankScorer
-from spechead.nanospec import HybridHead, NanoSpecHead, gram_factors
-from spechead.tree import TreeConfig
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.base import make_head
+from spechead.heads.hybrid import HybridHead
+from spechead.heads.lowrank import LowRankScorer
+from spechead.heads.nanospec import NanoSpecHead
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
+from spechead.model.lowrank import gram_factors
 
 V, D = 200, 16
 
@@ -353,7 +356,7 @@ def test_oracle_replay_gives_the_full_head_every_token(target):
     """The replay's drafter state is the target's own: the full head drafts every token (tau = depth + 1)."""
     from types import SimpleNamespace
 
-    from spechead.nanospec import oracle_replay
+    from spechead.bench.oracle import oracle_replay
 
     target.setup_cache(256)
     res = oracle_replay(SimpleNamespace(target=target), [[3, 4, 5, 6]], ["full", "nanospec:8"], tokens=12, depth=3)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spechead.server import TextStream
+from spechead.serve.app import TextStream
 
 openai = pytest.importorskip("openai")
 
@@ -349,8 +349,8 @@ def test_time_limit(demo_session):
     """An in-process server with a 1 ms limit: every request overruns it (prefill alone takes longer)."""
     import uvicorn
 
-    from spechead.pipeline import resolve_drafter
-    from spechead.server import Engine, create_app
+    from spechead.decoding.session import resolve_drafter
+    from spechead.serve.app import Engine, create_app
 
     engine = Engine(demo_session, resolve_drafter("random", demo_session.target), timeout=0.001)
     port = free_port()

@@ -6,21 +6,17 @@ import json
 import pytest
 import torch
 
-from spechead.cli import main
-from spechead.drafter import random_drafter
-from spechead.engine import Decoder
-from spechead.heads import FullHead, make_head
-from spechead.loading import SpecheadError, load_target
-from spechead.subset_heads import FrequencyHead, VocabTrimHead
-from spechead.tree import TreeConfig
-from spechead.vocab import (
-    assistant_segments,
-    drafter_head_inputs,
-    find_token_map,
-    load_token_map,
-    rank_ids,
-    save_token_map,
-)
+from spechead.cli.commands import main
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.base import make_head
+from spechead.heads.full import FullHead
+from spechead.heads.subset import FrequencyHead, VocabTrimHead
+from spechead.heads.tokenmaps import find_token_map, load_token_map, save_token_map
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
+from spechead.training.vocab_lists import assistant_segments, drafter_head_inputs, rank_ids
 
 
 @pytest.fixture

@@ -12,16 +12,19 @@ import torch
 from conftest import write_tiny_llama
 from test_data import write_chat_tokenizer, write_jsonl
 
-from spechead.cli import main as cli_main
-from spechead.data import load_examples
-from spechead.drafter import load_drafter
-from spechead.engine import Decoder
-from spechead.features import extract_features, load_chunk
-from spechead.loading import SpecheadError, load_target, load_tokenizer
-from spechead.lowrank import LowRankHead
-from spechead.model import Rotary
-from spechead.pipeline import Session
-from spechead.train import (
+from spechead.cli.commands import main as cli_main
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.session import Session
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.lowrank import LowRankHead
+from spechead.model.drafter import load_drafter
+from spechead.model.layers import Rotary
+from spechead.model.loading import load_target
+from spechead.model.tokenizer import load_tokenizer
+from spechead.training.data import load_examples
+from spechead.training.features import extract_features, load_chunk
+from spechead.training.train import (
     ChunkCache,
     TrainConfig,
     evaluate,
@@ -32,7 +35,6 @@ from spechead.train import (
     split_packs,
     train,
 )
-from spechead.tree import TreeConfig
 
 WORDS = ["the cat sat", "on the mat", "a dog ran", "to the park", "i like tea", "we go home"]
 
@@ -98,7 +100,7 @@ def test_training_unroll_matches_inference(setup, arch):
 
 
 def test_svd_init_reproduces_the_full_head_within_the_truncation_error(tmp_path, setup):
-    from spechead.lowrank import LowRankLinear
+    from spechead.model.lowrank import LowRankLinear
 
     folder, target, _, _ = setup
     full, _ = make_drafter(target, TrainConfig(arch="eagle3"))

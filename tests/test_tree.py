@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spechead.tree import ContextLookup, TreeConfig, build_tree, graft
+from spechead.decoding.tree import ContextLookup, TreeConfig, build_tree, graft
 
 
 def ancestors(parents, node):

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spechead import kernels, tune
-from spechead.drafter import random_drafter
-from spechead.loading import SpecheadError, load_target
-from spechead.pipeline import DEFAULT_TREE, Session
-from spechead.tree import TreeConfig
+from spechead import kernels
+from spechead.decoding.session import DEFAULT_TREE, Session
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.model.drafter import random_drafter
+from spechead.model.loading import load_target
+from spechead.tuning import tune
 
 # a small grid and short calibration: the whole tuning runs in a second or two on the tiny model
 FAST = {"new_tokens": 8, "prompts": 3, "shapes": ("chain:1", "chain:2", "2x1x4"), "lookups": (0, 8)}
@@ -144,7 +146,7 @@ def test_fallback_when_tuning_cannot_run(tiny, monkeypatch, capsys):
 
 
 def test_bad_options_are_errors(tiny, capsys):
-    from spechead.cli import main
+    from spechead.cli.commands import main
 
     session, drafter = tiny
     with pytest.raises(SpecheadError, match="unknown head"):
@@ -165,7 +167,7 @@ def test_bad_options_are_errors(tiny, capsys):
 
 
 def test_bench_resolves_auto_once_per_drafter_and_head_and_records_the_tree(tiny, counted, monkeypatch):
-    from spechead import bench
+    from spechead.bench import core as bench
 
     session, drafter = tiny
     monkeypatch.setattr(bench, "_drafter", lambda *a: (drafter, "random eagle2 (seed 0)"))
@@ -187,7 +189,7 @@ def test_bench_resolves_auto_once_per_drafter_and_head_and_records_the_tree(tiny
 
 
 def test_drafter_sources_are_tagged(tiny):
-    from spechead.pipeline import resolve_drafter
+    from spechead.decoding.session import resolve_drafter
 
     session, _ = tiny
     assert resolve_drafter("random", session.target).spechead_source == "random:eagle2:seed=0"

@@ -16,8 +16,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from spechead.bench import add_speedup_model, check_methods, project, write_outputs
-from spechead.tree import TreeConfig
+from spechead.bench.core import add_speedup_model, check_methods, project, write_outputs
+from spechead.decoding.tree import TreeConfig
 
 
 def main() -> None:

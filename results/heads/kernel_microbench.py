@@ -11,8 +11,9 @@ import os
 
 import torch
 
-from spechead import heads, kernels
-from spechead.headbench import median_ms
+from spechead import kernels
+from spechead.heads import base as heads
+from spechead.tuning.measure import median_ms
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

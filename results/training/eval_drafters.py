@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from spechead.bench import MT_BENCH, load_suite
-from spechead.drafter import load_drafter
-from spechead.pipeline import Session
-from spechead.tree import TreeConfig
+from spechead.bench.core import MT_BENCH, load_suite
+from spechead.decoding.session import Session
+from spechead.decoding.tree import TreeConfig
+from spechead.model.drafter import load_drafter
 
 
 def six_categories(rows: list[dict], limit: int) -> list[dict]:

@@ -18,8 +18,8 @@ import time
 import torch
 
 from spechead import kernels
-from spechead.headbench import cpu_name
-from spechead.pipeline import Session
+from spechead.decoding.session import Session
+from spechead.tuning.measure import cpu_name
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from spechead import kernels
-from spechead.pipeline import Session
+from spechead.decoding.session import Session
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

@@ -1,0 +1,208 @@
+"""Command line: ``spechead generate | bench | demo``. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+from spechead.errors import SpecheadError
+
+# Modules that add their own subcommand through add_cli(subparsers).
+PLUGINS = [
+    "spechead.training.train",
+    "spechead.training.vocab_lists",
+    "spechead.bench.heads",
+    "spechead.serve.app",
+    "spechead.bench.coverage",
+    "spechead.tuning.tune",
+]
+
+DEMO_PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to English: Der Hund spielt im Garten mit einem roten Ball.",
+]
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _sampling(args):
+    from spechead.decoding.sampling import SamplingConfig
+
+    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+
+
+def _tree(spec: str | None):
+    """A TreeConfig, or ``auto``: Session.decoder resolves it (the tuning for this machine, target, drafter, head)."""
+    from spechead.decoding.session import AUTO_TREE
+    from spechead.decoding.tree import TreeConfig
+
+    if spec is None or spec.strip() == AUTO_TREE:
+        return AUTO_TREE
+    return TreeConfig.parse(spec)
+
+
+def cmd_generate(args) -> int:
+    from spechead.decoding.session import Session, resolve_drafter
+
+    if not args.prompt.strip():
+        raise SpecheadError("empty prompt")
+    if args.method not in ("ar", "eagle"):
+        raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
+    sampling, tree = _sampling(args), _tree(args.tree)
+    session = Session.open(args.target, args.max_len, compile=args.compile)
+    ids = session.encode(args.prompt)
+    if args.method == "ar":
+        dec = session.decoder()
+    else:
+        dec = session.decoder(resolve_drafter(args.drafter, session.target, args.arch), args.head, tree)
+    stream = not args.json and sys.stdout.isatty()
+    res, shown, printed = None, [], ""
+    for item in dec.stream(ids, args.max_new_tokens, sampling, speculative=args.method != "ar"):
+        if isinstance(item, list):
+            if stream:  # print the text delta of every committed round
+                shown += item
+                text = session.decode(shown)
+                print(text[len(printed) :], end="", flush=True)
+                printed = text
+        else:
+            res = item
+    text = session.decode(res.tokens)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "tokens": res.tokens,
+                    "prompt_tokens": res.prompt_len,
+                    "new_tokens": len(res.tokens),
+                    "tau": res.tau,
+                    "tokens_per_s": len(res.tokens) / res.wall_s,
+                    "stop_reason": res.stop_reason,
+                    "timers_ms": res.timers_ms,
+                    "head_stats": res.head_stats,
+                    "mode_rounds": res.mode_rounds,
+                    "tree": str(dec.tree) if args.method != "ar" else None,
+                }
+            )
+        )
+    else:
+        if not stream:
+            print(text)
+        else:
+            print()
+        print(
+            f"[{len(res.tokens)} tokens, {len(res.tokens) / res.wall_s:.1f} tok/s, tau {res.tau:.2f}, "
+            f"{res.stop_reason}" + (f", tree {dec.tree}]" if args.method != "ar" else "]"),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from spechead.decoding.session import Session, demo_drafter_path, resolve_drafter
+
+    t0 = time.perf_counter()
+    session = Session.open("demo", args.max_len)
+    drafter = resolve_drafter("demo", session.target)
+    which = "shipped demo drafter" if demo_drafter_path() else "random drafter (no demo drafter shipped yet)"
+    print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
+    # plain AR, EAGLE-2 with its full head, and NanoSpec's active-vocabulary head on the same drafter
+    ar = session.decoder()
+    tree = _tree(args.tree)
+    methods = {
+        "eagle (full head)": session.decoder(drafter, "full", tree),
+        "nanospec": session.decoder(drafter, "nanospec", tree),
+    }
+    print("trees: " + ", ".join(f"{name} {dec.tree}" for name, dec in methods.items()))
+    ok = True
+    for prompt in DEMO_PROMPTS:
+        ids = session.encode(prompt)
+        ar.generate(ids, 8, speculative=False)  # warm-up
+        a = ar.generate(ids, args.max_new_tokens, speculative=False)
+        line = [f"ar {len(a.tokens) / a.wall_s:.1f} tok/s"]
+        for name, dec in methods.items():
+            dec.generate(ids, 8)  # warm-up
+            s = dec.generate(ids, args.max_new_tokens)
+            same = a.tokens == s.tokens
+            ok &= same
+            guarded = f" (guard: {s.mode_rounds['ar']} AR steps)" if s.mode_rounds.get("ar") else ""
+            line.append(
+                f"{name} {len(s.tokens) / s.wall_s:.1f} tok/s, tau {s.tau:.2f}{guarded}, identical to AR: {same}"
+            )
+        print(f"\n> {prompt}\n{session.decode(a.tokens)}")
+        print("  " + " | ".join(line))
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spechead.tuning.tune import AUTO_TREE_HELP
+
+    p = argparse.ArgumentParser(prog="spechead", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp, drafter=True):
+        sp.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
+        if drafter:
+            sp.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
+            sp.add_argument(
+                "--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random"
+            )
+            sp.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
+        sp.add_argument("--max-new-tokens", type=int, default=128)
+        sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--top-p", type=float, default=1.0)
+        sp.add_argument("--top-k", type=int, default=0)
+        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+        sp.add_argument("--compile", action="store_true", help="torch.compile the target (one-time cost)")
+
+    g = sub.add_parser("generate", help="generate a reply to one chat prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", default="eagle", help="ar or eagle")
+    g.add_argument("--head", default="full", help="draft head, e.g. full")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    common(g)
+    g.set_defaults(func=cmd_generate)
+
+    from spechead.bench.core import add_cli as add_bench
+
+    add_bench(sub)
+
+    d = sub.add_parser("demo", help="the demo: SmolLM2-135M-Instruct, AR vs speculative, outputs compared")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--max-len", type=int, default=2048)
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
+    d.set_defaults(func=cmd_demo)
+    for name in PLUGINS:  # subcommands that live next to their implementation
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.add_cli(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _threads(getattr(args, "threads", None))
+        return args.func(args)
+    except (SpecheadError, ValueError, FileNotFoundError) as e:
+        print(f"spechead: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spechead: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,121 @@
+"""The never-slower-than-AR guard: chooses per round whether to draft, never what is committed."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
+    per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
+    ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
+    stretch (up to ``max_ar_steps``, kept across requests, and a request after one that speculation lost
+    as a whole starts with it); a probe that beats AR resets it. In a probe, two rounds decide already when
+    speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
+    few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third of their
+    tokens; probing a drafter that never hits for a full window per request cost 30 % of AR's speed (the
+    fifth session's benchmark, results/bench/portable)."""
+
+    enabled: bool = True
+    window: int = 8
+    ar_steps: int = 8
+    max_ar_steps: int = 128
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        def whole(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"GuardConfig.{name} must be an integer >= {low}, got {v!r}")
+
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"GuardConfig.enabled must be a bool, got {self.enabled!r}")
+        whole("window", 1)
+        whole("ar_steps", 1)
+        whole("max_ar_steps", self.ar_steps)
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not (0 < m < math.inf):
+            raise ValueError(f"GuardConfig.margin must be a finite number > 0, got {m!r}")
+
+
+class Guard:
+    """GuardConfig's state machine. The AR step estimate (median of recent AR step times, seeded by a
+    measured ``ar_step_s`` when one is given) lives as long as the decoder; the rest is per request."""
+
+    SAMPLES = 32  # AR step times the median is taken over
+
+    def __init__(
+        self, cfg: GuardConfig, ar_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
+            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
+        self.cfg, self.clock = cfg, clock
+        self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
+        self.stretch = cfg.ar_steps  # the next stretch, should speculation lose (kept across requests)
+        self.spent = (0, 0.0)  # the last request's counted speculative rounds: (tokens, seconds)
+        self.lost = False  # whether speculation lost over the last request that had any
+        self.begin()
+
+    @property
+    def ar_step_s(self) -> float | None:
+        return statistics.median(self.ar_times) if self.ar_times else None
+
+    def _slower(self, tokens: int, seconds: float, factor: float = 1.0) -> bool:
+        ar_s = self.ar_step_s
+        return ar_s is not None and seconds > 0 and tokens * ar_s < factor * self.cfg.margin * seconds
+
+    def begin(self) -> None:
+        """A new request: speculate first, unless speculation lost over the whole last request (a drafter that
+        never pays then costs one probe per stretch, not a window per request)."""
+        if self.spent[1] > 0:  # (a request decoded all in AR leaves the verdict as it was)
+            self.lost = self._slower(*self.spent)
+        lost = self.cfg.enabled and self.lost
+        self.ar_left = self.stretch if lost else 0  # AR steps before the next probe
+        self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
+        self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
+        self.probing = lost  # rounds right after an AR stretch
+        self.spent = (0, 0.0)
+        self.counts = {"speculative": 0, "ar": 0}
+
+    @property
+    def ar(self) -> bool:
+        """Whether the next step is an AR step."""
+        return self.ar_left > 0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One step done: an AR step if ``ar`` was true, else a speculative round that committed ``tokens``."""
+        if self.ar_left:
+            self.counts["ar"] += 1
+            self.ar_times.append(seconds)
+            self.ar_left -= 1
+            return
+        self.counts["speculative"] += 1
+        if not self.cfg.enabled or not self.warm:
+            self.warm = True
+            return
+        self.rounds.append((tokens, seconds))
+        self.spent = (self.spent[0] + tokens, self.spent[1] + seconds)
+        toks, secs = sum(t for t, _ in self.rounds), sum(s for _, s in self.rounds)
+        # a full window decides; in a probe after an AR stretch two rounds already do when speculation runs
+        # at under half the AR rate (probing a drafter that never hits for a whole window cost more than the
+        # guard saved; at the start of a request, two unlucky rounds of a good drafter must not decide)
+        early = self.probing and len(self.rounds) >= 2 and self._slower(toks, secs, 0.5)
+        if len(self.rounds) < self.cfg.window and not early:
+            return
+        if self.ar_step_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
+            self._to_ar(self.cfg.ar_steps)
+        elif self._slower(toks, secs):
+            self._to_ar(self.stretch)
+            self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
+        else:
+            self.stretch, self.probing = self.cfg.ar_steps, False
+
+    def _to_ar(self, steps: int) -> None:
+        self.ar_left, self.warm, self.probing = steps, False, True
+        self.rounds.clear()

@@ -1,0 +1,127 @@
+"""Assemble a ready decoder from user-facing names (CLI, benchmark and server share this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spechead.decoding.decoder import Decoder
+from spechead.decoding.guard import GuardConfig
+from spechead.decoding.tree import TreeConfig
+from spechead.errors import SpecheadError
+from spechead.heads.base import DraftHead, make_head
+from spechead.model.drafter import Drafter, load_drafter, random_drafter
+from spechead.model.loading import load_target
+from spechead.model.tokenizer import encode_chat, load_tokenizer, stop_token_ids
+from spechead.model.transformer import Transformer
+
+DEMO_DRAFTERS = Path(__file__).parent.parent / "drafters"
+# Chosen by measurement on the 2-core CPU with the shipped drafter (README, "Tree shape";
+# results/bench/tree-sweep3): a shallow drafted tree (top_k 2, depth 1, 4 tokens) plus an 8-token
+# context-lookup branch was fastest (NanoSpec 1.70x AR, tau 2.37) against 2x4x8 with the same branch
+# (1.53x, tau 2.53) and 2x4x8 without it (1.20x, tau 1.83): the lookup branch supplies the long accepted
+# runs for free, and every drafter pass (about 1 ms here) costs more than the tokens it adds. On a GPU,
+# where drafter passes and verification rows are nearly free, the published 10/5/60 applies; pass --tree.
+DEFAULT_TREE = TreeConfig(top_k=2, depth=1, total_tokens=4, lookup=8)
+# The CLI's default tree: what `spechead tune` measured fastest here (spechead/tune.py); DEFAULT_TREE is its
+# fallback where tuning cannot run, and what a decoder gets without a tree.
+AUTO_TREE = "auto"
+GUARD = GuardConfig()  # what the CLI, the server and the benchmark decode with: never slower than AR
+
+
+def demo_drafter_path(arch: str = "eagle2") -> Path | None:
+    path = DEMO_DRAFTERS / arch
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_drafter(spec: str, target: Transformer, arch: str = "eagle2", seed: int = 0) -> Drafter:
+    """``demo`` (shipped drafter, or a seeded random one while none ships), ``random`` or a folder."""
+    if spec == "demo":
+        path = demo_drafter_path(arch)
+        spec = str(path) if path else "random"
+    if spec == "random" or spec.startswith("random:"):
+        arch = spec.split(":", 1)[1] if ":" in spec else arch
+        drafter, source = random_drafter(target, arch, seed), f"random:{arch}:seed={seed}"
+    else:
+        drafter, source = load_drafter(spec, target), str(Path(spec).resolve())
+    drafter.spechead_source = source  # what the tuning cache knows the drafter by (tune.drafter_identity)
+    return drafter
+
+
+@dataclass
+class Session:
+    """A loaded target with its tokenizer; makes decoders for any drafter/head combination."""
+
+    target: Transformer
+    folder: Path
+    tokenizer: object
+    max_len: int
+
+    @classmethod
+    def open(
+        cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32, compile: bool = False
+    ) -> Session:
+        """Load a target. ``compile`` wraps its forward in torch.compile (dynamic shapes): on the CPU this
+        removes most per-op overhead of a decode step, at the cost of a one-time compilation."""
+        model, folder = load_target(target, dtype)
+        max_len = min(max_len, model.config.max_position_embeddings)
+        model.setup_cache(max_len)
+        if compile:
+            model.compile(dynamic=True)
+        return cls(model, folder, load_tokenizer(folder), max_len)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return stop_token_ids(self.tokenizer, self.target.config)
+
+    def draft_head(self, drafter: Drafter, head: str = "full") -> DraftHead:
+        """The head ``head`` (a spec such as ``nanospec:1024``) over ``drafter``'s LM head."""
+        weight, row_ids = drafter.head_weight(self.target)
+        name, _, arg = head.partition(":")
+        own = getattr(drafter, "low_rank_head", None)
+        if own is not None and name in ("full", "lowrank"):
+            # A drafter trained with a SlimSpec head is decoded with its own factors (lowrank:R re-truncates).
+            from spechead.heads.lowrank import LowRankHead
+
+            rank = int(arg) if arg.isdigit() else None
+            return LowRankHead(own, row_ids, self.target.config.vocab_size, rank)
+        return make_head(head, weight, row_ids, self.target.config.vocab_size)
+
+    def decoder(
+        self,
+        drafter: Drafter | None = None,
+        head: str = "full",
+        tree: TreeConfig | str | None = None,
+        guard: GuardConfig | None = GUARD,
+    ) -> Decoder:
+        """``tree``: a TreeConfig or spec, None for DEFAULT_TREE, or ``auto``: the tuned tree for this machine,
+        target, drafter, head and thread count (``tune.resolve``: cached, else measured now; DEFAULT_TREE if
+        tuning cannot run), with the tuned NanoSpec gather mode and the measured AR step time for the guard.
+        ``guard``: the never-slower-than-AR policy user-facing decoders run with (None: speculate every round)."""
+        ar_step_s = None
+        if isinstance(tree, str):
+            if tree.strip() != AUTO_TREE:
+                tree = TreeConfig.parse(tree.strip())
+            elif drafter is None:  # plain AR decoding has no tree to tune
+                tree = None
+            else:
+                from spechead.tuning.tune import resolve
+
+                tuned = resolve(self, drafter, head)
+                tree, head, ar_step_s = tuned.tree, tuned.head_spec(head), tuned.ar_step_s
+        draft_head = self.draft_head(drafter, head) if drafter is not None else None
+        return Decoder(
+            self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids, guard, ar_step_s
+        )
+
+    def encode(self, turns: list[dict[str, str]] | str) -> list[int]:
+        if isinstance(turns, str):
+            if not turns.strip():
+                raise SpecheadError("empty prompt")
+            turns = [{"role": "user", "content": turns}]
+        return encode_chat(self.tokenizer, turns)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,231 @@
+"""EAGLE-2 dynamic draft trees: expansion with cumulative scores, global re-rank, tree buffers.
+
+Nodes are numbered with the root (the last committed token, not yet verified) as 0. A tree is
+valid when every node's parent precedes it; the global re-rank guarantees this because a child's
+cumulative log-prob never exceeds its parent's and a stable sort breaks ties by candidate index,
+and parents are always created before their children.
+
+Optionally a context lookup (prompt-lookup decoding) grafts one more branch onto each tree: the
+tokens that followed the latest earlier occurrence of the context's last n-gram. It costs no drafter
+work, only verification rows, and pays where the output copies its context (extraction, editing,
+retrieval); verification decides every token as before, so it changes nothing in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from spechead.heads.base import DraftHead
+from spechead.model.drafter import Drafter
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """top_k children per expanded node (and nodes expanded per level), depth expansion steps
+    (max draft length depth+1), total_tokens verified per round including the root, and lookup:
+    up to that many context-lookup tokens grafted on top (0: none)."""
+
+    top_k: int = 4
+    depth: int = 4
+    total_tokens: int = 16
+    lookup: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.depth < 0 or self.total_tokens < 1 or self.lookup < 0:
+            raise ValueError(f"invalid tree {self}: need top_k >= 1, depth >= 0, total_tokens >= 1, lookup >= 0")
+
+    @property
+    def max_rows(self) -> int:
+        """The most tokens one verification can hold: the drafted tree plus a lookup branch."""
+        return self.total_tokens + self.lookup
+
+    @property
+    def max_drafts(self) -> int:
+        """Candidate pool size: k at the first level, k*k per expansion."""
+        return self.top_k + self.depth * self.top_k**2
+
+    @property
+    def drafter_slots(self) -> int:
+        """Drafter cache slots one round of expansion uses beyond the prefix."""
+        return self.top_k * (self.depth + 1)
+
+    @classmethod
+    def chain(cls, length: int) -> TreeConfig:
+        """Classic chain drafting: ``length`` tokens, one candidate each."""
+        return cls(top_k=1, depth=length - 1, total_tokens=length + 1)
+
+    @classmethod
+    def parse(cls, spec: str) -> TreeConfig:
+        """``K,D,T`` or ``KxDxT`` (top_k, depth, total tokens), or ``chain:N``; ``+lookup:L`` adds a
+        context-lookup branch of up to L tokens."""
+        try:
+            shape, plus, extra = spec.partition("+")
+            lookup = 0
+            if plus:
+                key, _, n = extra.partition(":")
+                if key != "lookup":
+                    raise ValueError(f"unknown tree option {extra!r}")
+                lookup = int(n)
+            if shape.startswith("chain:"):
+                base = cls.chain(int(shape.split(":", 1)[1]))
+            else:
+                k, d, t = (int(x) for x in shape.replace("x", ",").split(","))
+                base = cls(k, d, t)
+            return replace(base, lookup=lookup)
+        except ValueError as e:
+            raise ValueError(
+                f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N', optionally '+lookup:L'): {e}"
+            ) from e
+
+    def __str__(self) -> str:
+        shape = f"{self.top_k}x{self.depth}x{self.total_tokens}"
+        return shape + (f"+lookup:{self.lookup}" if self.lookup else "")
+
+
+@dataclass
+class DraftTree:
+    tokens: Tensor  # [N] root first
+    parents: list[int]  # parent node of each node (-1 for the root)
+    mask: Tensor  # bool [N, N]: node sees itself and its ancestors
+    depth: Tensor  # [N] root = 0
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+
+def build_tree(root: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor, n: int) -> DraftTree:
+    """Keep the ``n`` best candidates (cumulative score, ties by candidate order) as a tree under root.
+
+    cand_parents holds each candidate's parent as a candidate index, -1 for a child of the root.
+    """
+    device = cand_tokens.device
+    n = min(n, cand_tokens.numel())
+    order = torch.sort(cand_scores, descending=True, stable=True).indices[:n]
+    keep = order.sort().values
+    par_cand = cand_parents[keep]
+    # candidate index -> tree node (position in `keep` + 1); the root is node 0
+    pos = torch.searchsorted(keep, par_cand.clamp_min(0))
+    if n and not bool(((par_cand < 0) | (keep[pos.clamp_max(n - 1)] == par_cand)).all()):
+        raise AssertionError("tree selection kept a node without its parent")
+    parents = torch.where(par_cand < 0, torch.zeros_like(pos), pos + 1)
+    parent_of = torch.cat([torch.zeros(1, dtype=torch.long, device=device), parents])
+    tokens = torch.cat([torch.tensor([root], device=device), cand_tokens[keep]])
+    size = n + 1
+    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+    rows = torch.arange(size, device=device)
+    anc = rows.clone()
+    for _ in range(size):  # walk up; stops once every node has reached the root
+        mask[rows, anc] = True
+        if not bool(anc.any()):
+            break
+        anc = parent_of[anc]
+    depth = mask.sum(-1) - 1
+    par_list = [-1] + parents.tolist()
+    return DraftTree(tokens, par_list, mask, depth)
+
+
+def draft_tree(
+    drafter: Drafter, head: DraftHead, h_last: Tensor, root: int, prefix: int, cfg: TreeConfig, n_nodes: int
+) -> DraftTree:
+    """EAGLE-2 expansion from the drafter's last state ``h_last`` [1, d].
+
+    ``prefix`` is the number of accepted pairs in the drafter cache; tree levels are written after
+    it and discarded when the next round overwrites them.
+    """
+    k, device = cfg.top_k, h_last.device
+    if n_nodes <= 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return build_tree(root, empty, empty, torch.empty(0, device=device), 0)
+    logp, ids = head.topk(drafter.head_input(h_last), k)
+    n0 = ids.shape[-1]
+    scores, tokens, parents = [logp[0]], [ids[0]], [torch.full((n0,), -1, dtype=torch.long, device=device)]
+    cur_scores, cur_tokens, cur_h = logp[0], ids[0], h_last.expand(n0, -1)
+    cur_index = torch.arange(n0, device=device)  # candidate indices of the nodes being expanded
+    vis = torch.eye(n0, dtype=torch.bool, device=device)  # what each node sees among tree slots
+    base, slot = n0, prefix
+    for i in range(cfg.depth):
+        width = cur_tokens.numel()
+        mask = torch.cat([torch.ones(width, prefix, dtype=torch.bool, device=device), vis], dim=1)
+        positions = torch.full((width,), prefix + i, dtype=torch.long, device=device)
+        h = drafter(cur_tokens, cur_h, slot, positions, mask)
+        slot += width
+        logp, ids = head.topk(drafter.head_input(h), k)
+        kc = ids.shape[-1]
+        cu = (logp + cur_scores[:, None]).flatten()
+        scores.append(cu)
+        tokens.append(ids.flatten())
+        parents.append(cur_index.repeat_interleave(kc))
+        best = torch.sort(cu, descending=True, stable=True).indices[: min(k, cu.numel())]
+        src = best // kc
+        cur_scores, cur_tokens, cur_h = cu[best], ids.flatten()[best], h[src]
+        cur_index = base + best
+        base += cu.numel()
+        vis = torch.cat([vis[src], torch.eye(best.numel(), dtype=torch.bool, device=device)], dim=1)
+    return build_tree(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores), n_nodes)
+
+
+class ContextLookup:
+    """Prompt-lookup drafting over the request's context (prompt and output so far).
+
+    ``propose`` returns the tokens that followed the latest earlier occurrence of the context's last
+    n-gram, trying n = max_ngram down to min_ngram. A continuation that runs into the end of the
+    context goes on copying its own output (an overlapping copy, as in LZ77), so a repeating run
+    proposes more periods of itself instead of the one or two tokens left before the end. The index
+    maps each n-gram to the position after its latest occurrence that already has a successor, so a
+    lookup is one dict probe per n and ``extend`` costs O(max_ngram) per token.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ids: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.ids.append(t)
+            nxt = len(self.ids) - 1  # t is the successor of the n-grams ending just before it
+            for n in range(self.min_ngram, min(self.max_ngram, nxt) + 1):
+                self.after[tuple(self.ids[nxt - n : nxt])] = nxt
+
+    def propose(self, count: int) -> list[int]:
+        if count <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(self.ids)), self.min_ngram - 1, -1):
+            at = self.after.get(tuple(self.ids[-n:]))
+            if at is not None:
+                out = self.ids[at : at + count]
+                while len(out) < count:  # overlapping copy: the source catches up with the output
+                    out.append(out[at + len(out) - len(self.ids)])
+                return out
+        return []
+
+
+def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """Add ``chain`` as a path under the root, reusing the nodes the tree already has for its prefix."""
+    tokens, parents = tree.tokens.tolist(), tree.parents
+    node, i = 0, 0
+    while i < len(chain):
+        nxt = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == chain[i]), None)
+        if nxt is None:
+            break
+        node, i = nxt, i + 1
+    rest = chain[i:]
+    if not rest:
+        return tree
+    n0, device = len(tokens), tree.tokens.device
+    size = n0 + len(rest)
+    new_parents = [node] + list(range(n0, size - 1))
+    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+    mask[:n0, :n0] = tree.mask
+    for j, par in enumerate(new_parents):
+        mask[n0 + j] = mask[par]
+        mask[n0 + j, n0 + j] = True
+    depth = torch.cat([tree.depth, tree.depth[node] + torch.arange(1, len(rest) + 1, device=device)])
+    new_tokens = torch.cat([tree.tokens, torch.tensor(rest, dtype=tree.tokens.dtype, device=device)])
+    return DraftTree(new_tokens, parents + new_parents, mask, depth)

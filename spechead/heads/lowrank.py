@@ -1,0 +1,107 @@
+"""SlimSpec: a low-rank draft LM head, logits = W_up (W_down h), with full-vocabulary support.
+
+A rank-r head reads r(d + V) weights instead of dV, so at r = d/8 it moves ~8x fewer bytes while
+every token stays reachable (unlike a truncated vocabulary). The factors come from an SVD of the
+full head (training-free; the best rank-r approximation, Eckart-Young) or from training: a
+``LowRankLinear`` module can replace a drafter's ``lm_head`` in the training pipeline.
+
+``LowRankScorer`` is the cheap full-vocabulary scorer other heads reuse (the hybrid head asks it
+for a few candidates outside its active set and then computes exact logits on them).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from spechead.errors import SpecheadError
+from spechead.heads.base import DraftHead, register_head, topk_logprobs
+from spechead.kernels.linear import PackedLinear
+from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors, truncate_factors
+
+# The exact chunked top-k lives with the head interface; re-exported here for the other heads.
+fast_topk_logprobs = topk_logprobs
+
+
+class LowRankScorer:
+    """Cheap scores for every drafter row: ``(h @ down.T) @ up.T``, r(d + V) weights read.
+
+    Used by ``LowRankHead`` and by other heads that need a full-vocabulary escape. Indices it
+    returns are *drafter rows* (map them through the head's ``row_ids`` for target ids).
+    """
+
+    def __init__(self, up: Tensor, down: Tensor) -> None:
+        if up.shape[1] != down.shape[0]:
+            raise SpecheadError(f"low-rank factors disagree: up {tuple(up.shape)}, down {tuple(down.shape)}")
+        self.up = PackedLinear(up)  # [V, r]
+        self.down = PackedLinear(down)  # [r, d]
+
+    @classmethod
+    def from_weight(cls, weight: Tensor | LowRankLinear, r: int | None = None) -> LowRankScorer:
+        """From a full head (SVD at rank r, default d/8) or from a ``LowRankLinear`` (its factors,
+        re-truncated when a smaller r is asked for)."""
+        if isinstance(weight, LowRankLinear):
+            up, down = weight.up.weight.detach(), weight.down.weight.detach()
+            if r is not None and r != up.shape[1]:
+                up, down = truncate_factors(up, down, r)
+            return cls(up, down)
+        d = weight.shape[1]
+        return cls(*svd_factors(weight, default_rank(d) if r is None else r))
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.up.nbytes + self.down.nbytes
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Scores [B, V_draft] in float32."""
+        return self.up(self.down(h))
+
+    def candidates(self, h: Tensor, n: int, exclude: Tensor | None = None) -> Tensor:
+        """The n best-scoring drafter rows per state [B, n], skipping rows where ``exclude`` [V_draft] is True
+        (e.g. the rows a head already scores exactly)."""
+        s = self.logits(h)
+        if exclude is not None:
+            s = s.masked_fill(exclude, float("-inf"))
+        return s.topk(min(n, s.shape[-1]), dim=-1).indices
+
+
+@register_head("lowrank")
+class LowRankHead(DraftHead):
+    """SlimSpec head: ``lowrank`` (rank d/8, or the drafter's own low-rank head) or ``lowrank:R``.
+
+    The draft distribution is the softmax of the low-rank logits over the full drafter vocabulary.
+    """
+
+    def __init__(
+        self,
+        weight: Tensor | LowRankLinear,
+        row_ids: Tensor | None,
+        vocab_size: int,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(weight, row_ids, vocab_size)
+        d = weight.in_features if isinstance(weight, LowRankLinear) else weight.shape[1]
+        if rank is not None:
+            check_rank(rank, d)
+        self.scorer = LowRankScorer.from_weight(weight, rank)
+
+    @classmethod
+    def from_spec(cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> LowRankHead:
+        try:
+            rank = int(arg)
+        except ValueError:
+            raise SpecheadError(f"lowrank head wants an integer rank (lowrank:R), got {arg!r}") from None
+        return cls(weight, row_ids, vocab_size, rank)
+
+    def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        with self.timers("head", h.device):
+            return topk_logprobs(self.scorer.logits(h), k, self.row_ids)
+
+    def stats(self) -> dict[str, float]:
+        return {"rank": float(self.scorer.rank)}
+
+    def extra_bytes(self) -> int:
+        return self.scorer.nbytes

@@ -1,0 +1,368 @@
+"""NanoSpec: a per-request, context-built active vocabulary for the draft head; and a hybrid with a
+cheap full-vocabulary escape.
+
+NanoSpec (Chen et al., 2026) keeps, per request, a set of at most ``W_max`` token ids built from the
+context: the prompt ids and the target's top-3 at every prompt position (Ctx, once), then after every
+verification round the drafted tree tokens, the target's argmax at every tree node and optionally its
+top-k there (Ext). Each draft call is a dense GEMM against a packed copy of only those rows of the
+drafter's head, a log-softmax over the set, and a map back to vocabulary ids. Verification stays
+full-vocabulary, so the output is unchanged; only the draft (and so the acceptance) can differ.
+
+State lives on the head's device: ids [W_max], packed rows [W_max, d], a membership mask [V] and a
+slot map [V]. Only new ids are gathered. The update is prepared in ``observe`` (called by the engine
+right after verification, before the drafter's catch-up pass) and awaited by the first ``topk`` of
+the next round, so it overlaps the drafter backbone: on CUDA on a side stream + event, on the CPU in
+a worker thread when ``gather=async`` (``auto`` picks what measured faster, see docs/nanospec.md).
+The host learns the number of new ids once per round (one sync, in the update); draft steps never
+synchronise.
+
+Differences from the reference code (see the reference notes, bugs B1 and B4): Ctx reads only the
+real prompt rows; the set never exceeds ``W_max``: ``policy=stop`` stops adding (new ids kept in
+priority order: committed tokens, target argmax, target top-k, drafted tokens), ``policy=lru`` evicts
+the slots whose token was least recently hit (seen among a round's candidates), never ones hit in the
+current round.
+
+``HybridHead`` adds an escape: a rank-r factorisation of the head scores the whole vocabulary cheaply,
+its top-m ids outside the set get exact logits from their own rows, and the log-softmax runs over the
+union. This lets the drafter propose a token the context never showed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from spechead import kernels
+from spechead.errors import SpecheadError
+from spechead.heads.base import DraftHead, fast_topk, register_head, topk_logprobs
+from spechead.kernels.linear import BlockedWeight
+
+DEFAULT_W_MAX = 3072
+SOURCES = {"ctx+ext": (True, True), "ext+ctx": (True, True), "ctx": (True, False), "ext": (False, True)}
+POLICIES = ("stop", "lru")
+GATHERS = ("auto", "sync", "async")
+# CPU default for gather=auto, chosen by measurement (docs/nanospec.md, "Overlap"): a worker thread
+# did not pay for its hand-off on the 2-core CPU, so the update runs at the first draft call.
+CPU_AUTO_GATHER = "sync"
+
+
+def _int_opt(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecheadError(f"{key} must be an integer, got {value!r}") from None
+
+
+def parse_options(arg: str, ints: set[str], strs: set[str]) -> tuple[int | None, dict]:
+    """``[W_MAX][:key=value...]`` -> (W_max or None, kwargs). Unknown keys are a user error."""
+    w_max, kw = None, {}
+    for i, part in enumerate(p for p in arg.split(":") if p):
+        if "=" not in part:
+            if i != 0:
+                raise SpecheadError(f"bad head option {part!r}: expected key=value")
+            w_max = _int_opt("W_max", part)
+            continue
+        key, _, value = part.partition("=")
+        if key in ints:
+            kw[key] = _int_opt(key, value)
+        elif key in strs:
+            kw[key] = value
+        else:
+            raise SpecheadError(f"unknown head option {key!r}; known: {', '.join(sorted(ints | strs))}")
+    return w_max, kw
+
+
+@register_head("nanospec")
+class NanoSpecHead(DraftHead):
+    """Dynamic in-context active vocabulary (see the module docstring)."""
+
+    needs_prompt_logits = True
+    INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
+    STR_OPTS = {"sources", "policy", "gather"}
+
+    def __init__(
+        self,
+        weight: Tensor,
+        row_ids: Tensor | None,
+        vocab_size: int,
+        w_max: int | None = None,
+        ext_topk: int = 3,
+        ctx_topk: int = 3,
+        sources: str = "ctx+ext",
+        policy: str = "stop",
+        gather: str = "auto",
+        freq: int = 0,
+        pinned: Tensor | None = None,
+    ) -> None:
+        super().__init__(weight, row_ids, vocab_size)
+        if w_max is None:  # the paper's default, or the whole vocabulary of a smaller model
+            w_max = min(DEFAULT_W_MAX, vocab_size)
+        if not 0 < w_max <= vocab_size:
+            raise SpecheadError(f"nanospec W_max must be in [1, {vocab_size}] (the vocabulary size), got {w_max}")
+        if not (0 <= ext_topk <= 64 and 0 <= ctx_topk <= 64):
+            raise SpecheadError(f"ext_topk and ctx_topk must be in [0, 64], got {ext_topk} and {ctx_topk}")
+        if sources not in SOURCES:
+            raise SpecheadError(f"sources must be one of ctx+ext, ctx, ext; got {sources!r}")
+        if policy not in POLICIES:
+            raise SpecheadError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if gather not in GATHERS:
+            raise SpecheadError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
+        self.w_max, self.ext_topk, self.ctx_topk, self.policy = w_max, ext_topk, ctx_topk, policy
+        self.sources = sources
+        self.use_ctx, self.use_ext = SOURCES[sources]
+        self.needs_prompt_logits = self.use_ctx and ctx_topk > 0
+        dev = weight.device
+        self.device = dev
+        if gather == "auto":
+            gather = "async" if dev.type == "cuda" else CPU_AUTO_GATHER
+        self.gather = gather
+        # target id -> drafter row (-1: outside the drafter's vocabulary, can never be added)
+        if row_ids is None:
+            if weight.shape[0] != vocab_size:
+                raise SpecheadError(f"head has {weight.shape[0]} rows but the vocabulary has {vocab_size} ids")
+            self.t2r = None
+            self.eligible = None
+        else:
+            self.t2r = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)
+            self.t2r[row_ids.to(dev)] = torch.arange(row_ids.numel(), device=dev)
+            self.eligible = self.t2r >= 0
+        self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)  # slot -> target id
+        # slot -> head row, in the draft-GEMM kernel's layout where it runs (rows rewritten in place)
+        self.packed = BlockedWeight(weight[:0], capacity=w_max)
+        self.in_set = torch.zeros(vocab_size, dtype=torch.bool, device=dev)  # membership mask
+        self.slot_of = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # id -> slot (-1: absent)
+        self.last_hit = torch.zeros(w_max + 1, dtype=torch.long, device=dev)  # slot -> round; [-1] is a trash slot
+        self.n = 0
+        if pinned is None and freq:
+            pinned = self._frequent(freq)
+        self.n_pin = self._pin(pinned) if pinned is not None else 0
+        self._pending: concurrent.futures.Future | Callable[[], None] | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" and gather == "async" else None
+        self._event: torch.cuda.Event | None = None
+        self._reset_counters()
+
+    @classmethod
+    def from_spec(cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> NanoSpecHead:
+        w_max, kw = parse_options(arg, cls.INT_OPTS, cls.STR_OPTS)
+        if w_max is not None:
+            kw["w_max"] = w_max
+        return cls(weight, row_ids, vocab_size, **kw)
+
+    def _frequent(self, n: int) -> Tensor:
+        """The n most frequent ids (FR-Spec's default list for this vocabulary) the drafter can score."""
+        if not 0 < n < self.w_max:
+            raise SpecheadError(f"freq={n} must be in [1, W_max - 1 = {self.w_max - 1}]")
+        from spechead.heads.tokenmaps import find_token_map, load_token_map
+
+        ids = load_token_map(find_token_map("freq", n, self.vocab_size, longest=self.t2r is not None), self.vocab_size)
+        ids = ids.to(self.device)
+        return (ids if self.eligible is None else ids[self.eligible[ids]])[:n]
+
+    def _pin(self, ids: Tensor) -> int:
+        """Pin distinct ids in slots [0, k): gathered once, never evicted, kept across requests. A static
+        backstop for the tokens the context has not shown yet."""
+        ids = ids.to(self.device).flatten()
+        if ids.unique().numel() != ids.numel() or not ids.numel() < self.w_max:
+            raise SpecheadError(f"pinned ids must be distinct and fewer than W_max = {self.w_max}")
+        if self.eligible is not None and not bool(self.eligible[ids].all()):
+            raise SpecheadError("pinned ids must be inside the drafter's vocabulary")
+        k = ids.numel()
+        self.ids[:k] = ids
+        self.packed.write(torch.arange(k, device=self.device), self.weight[ids if self.t2r is None else self.t2r[ids]])
+        return k
+
+    # -- per-request state ----------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        self.round = 0
+        self._rounds: list[tuple[int, int, Tensor]] = []  # (active size when drafted, committed, hits)
+        self.dropped = 0  # new ids refused because the set was full
+        self.evicted = 0
+        self._escaped: list[Tensor] = []
+
+    def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
+        """Reset the state and queue the Ctx update (awaited by the first draft call)."""
+        self._wait()
+        self.in_set.zero_()
+        self.slot_of.fill_(-1)
+        self.last_hit.zero_()
+        self.n = self.n_pin
+        if self.n_pin:
+            pinned = self.ids[: self.n_pin]
+            self.in_set[pinned] = True
+            self.slot_of[pinned] = torch.arange(self.n_pin, device=self.device)
+        self._reset_counters()
+        if not self.use_ctx:
+            return
+        prompt_ids = prompt_ids.to(self.device).flatten()
+        if prompt_logits is not None and prompt_logits.shape[0] != prompt_ids.numel():
+            raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {prompt_ids.numel()} prompt ids")
+
+        def ctx() -> None:
+            parts = [prompt_ids.flip(0)]  # most recent first
+            if prompt_logits is not None and self.ctx_topk > 0:
+                # the target's next-token guesses at every real prompt row (never stale rows: bug B1)
+                top = fast_topk(prompt_logits, min(self.ctx_topk, prompt_logits.shape[-1]))[1].flip(0).T
+                parts = [top[0], parts[0], *top[1:]]  # top-1 guesses rank first under the overflow policy
+            self._append(torch.cat(parts))
+
+        self._launch(ctx)
+
+    def observe(self, tree_tokens: Tensor, node_logits: Tensor, committed: list[int]) -> None:
+        """Record coverage against the set this round was drafted with, then queue the Ext update."""
+        self._wait()
+        dev = self.device
+        com = torch.tensor(committed, dtype=torch.long, device=dev)
+        hits = self.in_set[com].sum()
+        self._rounds.append((self.n, len(committed), hits))
+        self.round += 1
+        if not self.use_ext:
+            return
+        escaped, self._escaped = self._escaped, []
+
+        def ext() -> None:
+            # the target's argmax (top-1; ext_topk 0 and 1 are the same) then its top-2..k at every node
+            top = fast_topk(node_logits, min(max(self.ext_topk, 1), node_logits.shape[-1]))[1].T
+            parts = [com, top.flatten(), tree_tokens.to(dev)]
+            parts.extend(escaped)
+            self._append(torch.cat(parts))
+
+        self._launch(ext)
+
+    # -- the update -----------------------------------------------------------------------------
+    def _launch(self, work: Callable[[], None]) -> None:
+        if self.gather == "sync":
+            self._pending = work  # run at the next draft call, inside the draft phase
+        elif self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                work()
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanospec-gather")
+
+            def job() -> None:
+                with torch.inference_mode():  # inference mode is thread-local
+                    work()
+
+            self._pending = self._pool.submit(job)
+
+    def _wait(self) -> None:
+        """Make the pending update visible to the caller's stream/thread."""
+        pending, self._pending = self._pending, None
+        if isinstance(pending, concurrent.futures.Future):
+            pending.result()
+        elif pending is not None:
+            pending()
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+            self._event = None
+
+    def _fresh(self, cand: Tensor) -> Tensor:
+        """Distinct candidates not in the set (and inside the drafter's vocabulary), first occurrence order."""
+        vals, order = cand.sort(stable=True)
+        keep = ~self.in_set[vals]
+        keep[1:] &= vals[1:] != vals[:-1]
+        if self.eligible is not None:
+            keep &= self.eligible[vals]
+        return cand[order[keep].sort().values]  # the one host sync of the update
+
+    def _append(self, cand: Tensor) -> None:
+        """Add new ids under the overflow policy; refresh last-hit rounds; gather only the new rows."""
+        if self.device.type == "cpu" and kernels.available():  # the steps of _update_state, in one C++ op
+            new, slots, k, evicted = kernels.ops().active_set_add(
+                cand.contiguous(), self.in_set, self.slot_of, self.ids, self.last_hit, self.eligible,
+                self.n, self.n_pin, self.round, self.policy == "lru",
+            )  # fmt: skip
+        else:
+            new, slots, k, evicted = self._update_state(cand)
+        self.evicted += evicted
+        self.dropped += k - slots.numel()
+        if slots.numel():
+            self.packed.write(slots, self.weight[new if self.t2r is None else self.t2r[new]])
+        self.n = min(self.w_max, self.n + k)
+
+    def _update_state(self, cand: Tensor) -> tuple[Tensor, Tensor, int, int]:
+        """The reference steps of the update (``active_set_add`` does the same on the CPU): refresh
+        last-hit rounds, pick the fresh ids, give them free slots and, under LRU, victims' slots, and
+        write ids / mask / slot map / rounds. Returns (ids placed, their slots, fresh ids, evicted)."""
+        if self.policy == "lru":  # a hit: the round's candidates touched an id already in the set
+            self.last_hit[self.slot_of[cand]] = self.round  # absent ids (slot -1) hit the trash slot
+            self.last_hit[-1] = 0
+        new = self._fresh(cand)
+        k = new.numel()
+        room = self.w_max - self.n
+        slots = torch.arange(self.n, self.n + min(k, room), device=self.device)
+        evicted = 0
+        if k > room and self.policy == "lru":
+            age = self.last_hit[self.n_pin : self.n]  # pinned frequent tokens are never evicted
+            victims = torch.sort(age, stable=True).indices[: k - room]
+            victims = victims[age[victims] < self.round] + self.n_pin  # never evict what this round hit
+            old = self.ids[victims]
+            self.in_set[old] = False
+            self.slot_of[old] = -1
+            evicted = victims.numel()
+            slots = torch.cat([slots, victims])
+        new = new[: slots.numel()]
+        self.ids[slots] = new
+        self.in_set[new] = True
+        self.slot_of[new] = slots
+        self.last_hit[slots] = self.round
+        return new, slots, k, evicted
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _ready(self, h: Tensor) -> None:
+        with self.timers("gather", h.device):
+            self._wait()
+
+    def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        self._ready(h)
+        return self._set_topk(h, k)
+
+    def _set_topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        with self.timers("head", h.device):
+            if self.n == 0:  # Ext only, first round: nothing known yet, use the full head (as the reference)
+                return topk_logprobs(h @ self.weight.T, k, self.row_ids)
+            return topk_logprobs(self.packed(h, self.n), k, self.ids)
+
+    # -- telemetry ------------------------------------------------------------------------------
+    @property
+    def trace(self) -> list[dict[str, float]]:
+        """Per round: active size it was drafted with, tokens committed, how many were in the set, and the
+        cumulative coverage so far (for vocabulary-evolution plots). Reading it synchronises once."""
+        hits = torch.stack([r[2] for r in self._rounds]).tolist() if self._rounds else []
+        trace, tot_c, tot_h = [], 0, 0
+        for i, ((size, c, _), h) in enumerate(zip(self._rounds, hits, strict=True), 1):
+            tot_c, tot_h = tot_c + c, tot_h + h
+            trace.append({"round": i, "active": size, "committed": c, "hits": h, "coverage": tot_h / tot_c})
+        return trace
+
+    def stats(self) -> dict[str, float]:
+        self._wait()
+        t = self.trace
+        out = {
+            "active_size": float(self.n),
+            "active_mean": sum(r["active"] for r in t) / len(t) if t else float(self.n),
+            "coverage": t[-1]["coverage"] if t else math.nan,
+            "rounds": float(len(t)),
+            "dropped": float(self.dropped),
+            "evicted": float(self.evicted),
+        }
+        return out
+
+    def state(self) -> tuple[Tensor, int]:
+        """(active ids, size): for tests and plots; waits for a pending update."""
+        self._wait()
+        return self.ids[: self.n].clone(), self.n
+
+    def extra_bytes(self) -> int:
+        b = self.packed.nbytes + self.ids.nbytes + self.in_set.nbytes + self.slot_of.nbytes + self.last_hit.nbytes
+        if self.t2r is not None:
+            b += self.t2r.nbytes + self.eligible.nbytes
+        return b

@@ -1,0 +1,210 @@
+"""CPU kernels for the draft head and the target's few-row steps (``csrc/draft_gemm.cpp``).
+
+Every draft head ends in ``logits = h @ W.T`` with a handful of rows in h (the tree's top_k) and
+thousands to 260k rows in W; a decode step and a tree verification are the same shape of product.
+It should be bound by the bytes of W. Library GEMMs are not, with 1-16 rows: MKL's fp32 GEMM repacks
+the weight on every few-row call, and oneDNN's bf16 kernel is compute-bound where the CPU's bf16 dot
+product is slow (half the fp32 FMA rate on the AVX-512 machine) or missing (AVX2). ``draft_linear``
+widens bf16 weights to fp32 in registers and uses FMAs over a blocked layout of 16 outputs per 64
+bytes (``BlockedWeight``); every output is accumulated in one fixed order, so results do not depend
+on the row count. ``row_topk`` is the top-k of a few vocabulary-wide rows in one streaming pass,
+optionally fused with the log-softmax and a row -> id map; ``active_set_add`` is NanoSpec's set update
+in one op (``NanoSpecHead._append`` is the reference).
+
+One source, one build per instruction set, each registering its ops under its own namespace
+(``torch.ops.spechead_avx512``, ``spechead_avx2``, ``spechead_generic``): ``avx512`` (AVX-512F),
+``avx2`` (AVX2 + FMA: every x86-64 since Haswell and Zen 1) and ``generic`` (portable C++, no
+intrinsics: ARM and older x86). The library uses the widest one the CPU runs; ``SPECHEAD_ISA``
+forces a narrower one (so an AVX-512 machine tests the other paths), ``SPECHEAD_KERNELS=0`` disables
+them (then ``F.linear`` and tensor ops serve). Each build is compiled for the host on first use with
+torch's C++ extension tooling (10-30 s, then cached under ``$SPECHEAD_CACHE/kernels/<isa>-<hash>``,
+the hash covering the source, the flags and the torch version). Design and measurements:
+docs/heads.md, "CPU kernels".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LANES = 16  # outputs per block of the layout: 64 bytes of fp32
+SOURCE = Path(__file__).parent / "csrc" / "draft_gemm.cpp"
+ISAS = ("avx512", "avx2", "generic")  # widest first
+# -ffp-contract=off: no mul+add is fused behind the code's back, so a build's accumulation order is the code's
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_ISA_FLAGS = {
+    "avx512": ["-DSPECHEAD_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+    "avx2": ["-DSPECHEAD_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_libs: dict[str, Any] = {}  # isa -> torch.ops namespace, or the reason it is unavailable (str)
+_state: dict[str, Any] = {}  # the build the library uses: "isa", "ops", "why"
+
+
+def host_isas() -> list[str]:
+    """The builds this CPU can run, widest first (from torch's CPU capability, which honours
+    ``ATEN_CPU_CAPABILITY``); ``generic`` runs everywhere."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    isas = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+    return [*isas, "generic"]
+
+
+def _build_dir(isa: str) -> Path:
+    flags = " ".join(_COMMON_FLAGS + _ISA_FLAGS[isa])
+    tag = hashlib.sha1(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
+    path = root / "kernels" / f"{isa}-{tag}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def library(isa: str) -> Any:
+    """The ops of one build (``torch.ops.spechead_<isa>``), compiled on first use; raises RuntimeError with
+    the reason where it cannot run here. Tests use it to check every build the CPU runs in one process."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {', '.join(ISAS)}")
+    if isa not in _libs:
+        if isa not in host_isas():
+            _libs[isa] = f"this CPU cannot run {isa} (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        else:
+            _libs[isa] = _build(isa)
+    lib = _libs[isa]
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib
+
+
+def _build(isa: str) -> Any:
+    name = f"spechead_{isa}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=f"{name}_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=[*_COMMON_FLAGS, *_ISA_FLAGS[isa], f"-DSPECHEAD_NS={name}"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir(isa)),
+            is_python_module=False,
+        )
+        ops = getattr(torch.ops, name)
+        if not hasattr(ops, "draft_linear"):
+            return f"the {isa} build registered no ops"
+    except Exception as e:  # no compiler, no ninja, a failed build: the library still works
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{isa} build failed: {type(e).__name__}: {first}"
+    _register_fakes(name)
+    return ops
+
+
+def _register_fakes(name: str) -> None:
+    """Output shapes of the ops for torch.compile's tracing (``--compile``): to the compiler they are opaque."""
+
+    @torch.library.register_fake(f"{name}::draft_linear")
+    def _draft_linear(x: Tensor, w: Tensor, blocks: int) -> Tensor:
+        return x.new_empty((x.shape[0], blocks * LANES), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{name}::rms_norm")
+    def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{name}::rope")
+    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{name}::row_topk")
+    def _row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None):
+        return x.new_empty((x.shape[0], k), dtype=torch.float32), x.new_empty((x.shape[0], k), dtype=torch.long)
+
+
+def _select() -> None:
+    """Pick the build the library uses: the widest the CPU runs, or ``SPECHEAD_ISA`` if narrower."""
+    if os.environ.get("SPECHEAD_KERNELS", "1") == "0":
+        _state.update(isa=None, ops=None, why="disabled by SPECHEAD_KERNELS=0")
+        return
+    runnable = host_isas()
+    want = os.environ.get("SPECHEAD_ISA", "").strip().lower() or runnable[0]
+    if want not in ISAS:
+        raise ValueError(f"SPECHEAD_ISA={want!r}: expected one of {', '.join(ISAS)}")
+    if want not in runnable:
+        msg = f"spechead: SPECHEAD_ISA={want} but this CPU runs {', '.join(runnable)}; using {runnable[0]}"
+        warnings.warn(msg, stacklevel=3)
+        want = runnable[0]
+    reasons = []
+    for isa in runnable[runnable.index(want) :]:  # a failed build falls back to the next narrower one
+        try:
+            _state.update(isa=isa, ops=library(isa), why="")
+            if reasons:
+                warnings.warn(f"spechead: {'; '.join(reasons)}; using the {isa} kernels", stacklevel=3)
+            return
+        except RuntimeError as e:
+            reasons.append(str(e))
+    _state.update(isa=None, ops=None, why="; ".join(reasons))
+    warnings.warn(f"spechead: CPU kernels unavailable ({_state['why']}); using F.linear", stacklevel=3)
+
+
+def active_isa() -> str | None:
+    """The build the library uses (``avx512``, ``avx2``, ``generic``), None when the kernels are off."""
+    if "isa" not in _state:
+        _select()
+    return _state["isa"]
+
+
+def available() -> bool:
+    """Whether a kernel build is usable here (compiles it on the first call)."""
+    return active_isa() is not None
+
+
+def unavailable_reason() -> str:
+    active_isa()
+    return str(_state.get("why", ""))
+
+
+def ops() -> Any:
+    """The active build's op namespace (``torch.ops.spechead_<isa>``); only valid when ``available()``."""
+    if active_isa() is None:
+        raise RuntimeError(f"spechead kernels unavailable: {unavailable_reason()}")
+    return _state["ops"]
+
+
+def supports(weight: Tensor) -> bool:
+    """The kernel handles CPU bf16 weights with an even number of columns and CPU fp32 weights."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.bfloat16:
+        ok_shape = weight.shape[1] % 2 == 0
+    else:
+        ok_shape = weight.dtype == torch.float32
+    return ok_shape and available()
+
+
+ROW_TOPK_MAX_K = 64  # the kernel's top-k keeps a sorted buffer of k entries: meant for small k
+
+
+def row_topk_supported(x: Tensor, k: int) -> bool:
+    """``row_topk`` serves 2-D CPU rows of bf16 or fp32 (values come back in fp32), small k."""
+    return (
+        k <= ROW_TOPK_MAX_K
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and available()
+    )
+
+
+def row_topk(x: Tensor, k: int, log_softmax: bool = False, index_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k values (fp32, descending; log-probabilities with ``log_softmax``) and indices (through
+    ``index_map`` when given) of each row of a contiguous 2-D CPU tensor, in one pass per row."""
+    return ops().row_topk(x, k, log_softmax, index_map)
+
+
+def test_paths() -> list[str]:
+    """Environment settings that run the test suite on every kernel path this CPU can take: each build,
+    widest first, then none (``make test`` runs the suite once per entry)."""
+    return [f"SPECHEAD_ISA={isa}" for isa in host_isas()] + ["SPECHEAD_KERNELS=0"]

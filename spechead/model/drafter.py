@@ -1,0 +1,318 @@
+"""EAGLE-1/2 and EAGLE-3 drafters, loading and saving the published checkpoint layouts.
+
+EAGLE-1/2 (``cnets1`` layout): ``fc`` over [token embedding, target feature] (2d -> d), one decoder
+layer without input norm, no final norm; logits come from the *target's* LM head applied to the
+layer output. EAGLE-3 (``cnets`` layout): ``fc`` over three fused target layers (3d -> d), a
+``midlayer`` whose attention reads [input_layernorm(embedding), hidden_norm(h)] (2d), its own
+``norm`` and ``lm_head``, and optionally a reduced draft vocabulary mapped to target ids by ``d2t``.
+An EAGLE-3 drafter may instead carry a SlimSpec low-rank head (config ``lm_head_rank``, tensors
+``lm_head.down.weight`` [r, d] and ``lm_head.up.weight`` [V, r], TorchSpec's layout).
+
+Both share the target's token embedding (never trained, never needed in the checkpoint). The
+published checkpoints are ``config.json`` + ``pytorch_model.bin``; we write ``model.safetensors``
+and read either. Tensor names and shapes follow the published layouts exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from spechead.errors import SpecheadError
+from spechead.model.config import ModelConfig
+from spechead.model.layers import Block, KVCache, RMSNorm, Rotary
+from spechead.model.loading import read_safetensors
+from spechead.model.transformer import TargetOutput, Transformer
+
+
+class Drafter(nn.Module):
+    """Common machinery: own KV cache and RoPE, shared target embedding, checkpoint I/O."""
+
+    arch = ""
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.config = cfg
+        self._embed = [embed]  # a list, so the target's table is neither registered nor saved
+        self.rotary: Rotary | None = None
+        self.max_len = 0
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._embed[0]
+
+    @property
+    def layer(self) -> Block:
+        raise NotImplementedError
+
+    def setup_cache(self, max_len: int) -> None:
+        cfg, p = self.config, self.fc.weight
+        if max_len <= self.max_len:  # only grows: decoders with different trees share one drafter
+            return
+        self.max_len = max_len
+        self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
+        self.layer.self_attn.cache = KVCache(max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device)
+
+    # -- what each architecture defines -------------------------------------------------------
+    def target_features(self, out: TargetOutput) -> Tensor:
+        """The target states this drafter consumes, one row per target position."""
+        raise NotImplementedError
+
+    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """Pairs (feature_j, token_{j+1}) at drafter slots [start, start+T) -> predicted next features."""
+        raise NotImplementedError
+
+    def head_input(self, h: Tensor) -> Tensor:
+        """The vector the LM head multiplies (EAGLE-3 applies its final norm)."""
+        return h
+
+    def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
+        """(weight [V_draft, d], target ids of its rows or None for the identity)."""
+        raise NotImplementedError
+
+    # -- checkpoint I/O ----------------------------------------------------------------------
+    def draft_config(self) -> dict[str, Any]:
+        return dict(self.config.extra)
+
+    def checkpoint_state(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.endswith("inv_freq")}
+
+    def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+            for k, v in self.checkpoint_state().items()
+        }
+        cfg = self.draft_config()
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return out
+
+
+def draft_config_from_target(target_cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
+    """A one-layer draft config.json in the published layout, sized like the target."""
+    t = target_cfg
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta,
+        "vocab_size": t.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": t.extra.get("bos_token_id"),
+        "eos_token_id": t.extra.get("eos_token_id"),
+    }
+    d.update(overrides)
+    return d
+
+
+class Eagle2Drafter(Drafter):
+    arch = "eagle2"
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding) -> None:
+        super().__init__(cfg, embed)
+        d = cfg.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=bool(cfg.extra.get("bias", True)))
+        self.layers = nn.ModuleList([Block(cfg, input_norm=False)])
+
+    @property
+    def layer(self) -> Block:
+        return self.layers[0]
+
+    def target_features(self, out: TargetOutput) -> Tensor:
+        return out.hidden
+
+    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1))
+        cos, sin = self.rotary(positions)
+        return self.layer(x, x, cos, sin, start, mask)
+
+    def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
+        return target.lm_head.weight, None
+
+
+class Eagle3Drafter(Drafter):
+    arch = "eagle3"
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding, lm_head: Tensor | None = None) -> None:
+        super().__init__(cfg, embed)
+        d = cfg.hidden_size
+        target_d = cfg.extra.get("target_hidden_size", d)
+        self.draft_vocab_size = cfg.extra.get("draft_vocab_size", cfg.vocab_size)
+        self.fc = nn.Linear(3 * target_d, d, bias=False)
+        self.midlayer = Block(cfg, attn_in=2 * d, input_norm=True)
+        self.midlayer.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        # A head tied to the target's is not stored (it is the target's own tensor).
+        rank = cfg.extra.get("lm_head_rank")
+        self.tied_head = lm_head is not None and not rank
+        if self.tied_head:
+            self._tied = [lm_head]
+        elif rank:
+            from spechead.model.lowrank import LowRankLinear
+
+            self.lm_head = LowRankLinear(d, self.draft_vocab_size, int(rank))
+        else:
+            self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
+        if self.draft_vocab_size != cfg.vocab_size:
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    @property
+    def layer(self) -> Block:
+        return self.midlayer
+
+    def target_features(self, out: TargetOutput) -> Tensor:
+        if out.aux is None:
+            raise RuntimeError("EAGLE-3 needs the target's fused layer states (want_aux=True)")
+        return out.aux
+
+    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+        h = feats.to(self.fc.weight.dtype)
+        if h.shape[-1] != self.config.hidden_size:  # target features are fused; recycled ones are not
+            h = self.fc(h)
+        layer = self.midlayer
+        attn_in = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(h)], dim=-1)
+        cos, sin = self.rotary(positions)
+        return layer(h, attn_in, cos, sin, start, mask)
+
+    def head_input(self, h: Tensor) -> Tensor:
+        return self.norm(h)
+
+    @property
+    def low_rank_head(self):
+        """The trained ``LowRankLinear`` head, or None for a full head."""
+        return None if self.tied_head or isinstance(self.lm_head, nn.Linear) else self.lm_head
+
+    def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
+        """For a low-rank head this is the dense product (exact same logits; ``Session.decoder`` uses the factors)."""
+        lr = self.low_rank_head
+        w = self._tied[0] if self.tied_head else lr.dense() if lr is not None else self.lm_head.weight
+        if self.draft_vocab_size == self.config.vocab_size:
+            return w, None
+        return w, self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+
+    def draft_config(self) -> dict[str, Any]:
+        cfg = super().draft_config()
+        cfg["tie_lm_head_to_target"] = self.tied_head
+        if self.low_rank_head is not None:
+            cfg["lm_head_rank"] = self.low_rank_head.rank
+        else:
+            cfg.pop("lm_head_rank", None)
+        return cfg
+
+    def set_draft_vocab(self, token_ids: Tensor) -> None:
+        """Install a reduced vocabulary: ``token_ids`` (sorted ascending) become draft indices."""
+        ids = token_ids.sort().values
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+
+ARCHS: dict[str, type[Drafter]] = {"eagle2": Eagle2Drafter, "eagle3": Eagle3Drafter}
+
+
+def detect_arch(state: dict[str, Tensor]) -> str:
+    if any(k.startswith("midlayer.") for k in state):
+        return "eagle3"
+    if any(k.startswith("layers.0.") for k in state):
+        return "eagle2"
+    raise SpecheadError("checkpoint is neither an EAGLE-1/2 (layers.0.*) nor an EAGLE-3 (midlayer.*) drafter")
+
+
+def check_compatible(cfg: ModelConfig, target_cfg: ModelConfig, arch: str) -> None:
+    """Refuse a drafter built for another target: vocabulary and hidden sizes must match."""
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise SpecheadError(
+            f"drafter vocabulary ({cfg.vocab_size}) does not match the target's ({target_cfg.vocab_size})"
+        )
+    target_d = cfg.extra.get("target_hidden_size", cfg.hidden_size) if arch == "eagle3" else cfg.hidden_size
+    if target_d != target_cfg.hidden_size or (arch == "eagle2" and cfg.hidden_size != target_cfg.hidden_size):
+        raise SpecheadError(f"drafter hidden size ({target_d}) does not match the target's ({target_cfg.hidden_size})")
+
+
+def build_drafter(arch: str, cfg_dict: dict[str, Any], target: Transformer) -> Drafter:
+    cfg = ModelConfig.from_hf(cfg_dict)
+    check_compatible(cfg, target.config, arch)
+    embed = target.model.embed_tokens
+    if arch == "eagle3":
+        tied = cfg_dict.get("tie_lm_head_to_target", False)
+        rank = cfg_dict.get("lm_head_rank")
+        if rank is not None and (not isinstance(rank, int) or not 0 < rank < cfg.hidden_size):
+            raise SpecheadError(f"drafter lm_head_rank must be an integer in [1, {cfg.hidden_size - 1}], got {rank!r}")
+        return Eagle3Drafter(cfg, embed, target.lm_head.weight if tied else None)
+    if arch not in ARCHS:
+        raise SpecheadError(f"unknown drafter architecture {arch!r}; expected one of {sorted(ARCHS)}")
+    return ARCHS[arch](cfg, embed)
+
+
+def random_drafter(target: Transformer, arch: str = "eagle2", seed: int = 0, **cfg_overrides: Any) -> Drafter:
+    """A seeded, randomly initialised drafter sized for ``target`` (useful before any training)."""
+    overrides = {"bias": False} if arch == "eagle2" else {"draft_vocab_size": target.config.vocab_size}
+    overrides.update(cfg_overrides)
+    cfg = draft_config_from_target(target.config, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    p = target.lm_head.weight
+    drafter = build_drafter(arch, cfg, target)
+    with torch.no_grad():
+        for name, t in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+    return drafter.to(device=p.device, dtype=p.dtype).eval()
+
+
+def load_drafter(path: str | Path, target: Transformer) -> Drafter:
+    """Load a drafter folder (config.json + model.safetensors or pytorch_model.bin)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise SpecheadError(f"drafter not found: {path}")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise SpecheadError(f"no config.json in drafter folder {folder}")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecheadError(f"invalid drafter config {cfg_path}: {e}") from e
+    if (folder / "pytorch_model.bin").is_file() and not list(folder.glob("*.safetensors")):
+        try:
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SpecheadError(f"corrupt drafter weights {folder / 'pytorch_model.bin'}: {e}") from e
+    else:
+        state = read_safetensors(folder)
+    arch = detect_arch(state)
+    try:
+        drafter = build_drafter(arch, cfg_dict, target)
+    except KeyError as e:
+        raise SpecheadError(f"drafter config {cfg_path} lacks key {e}") from e
+    state = {k: v for k, v in state.items() if k != "embed_tokens.weight" and not k.endswith("inv_freq")}
+    expected = drafter.checkpoint_state()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise SpecheadError(
+            f"drafter {folder} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise SpecheadError(f"drafter tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+    drafter.load_state_dict(state, strict=False)
+    p = target.lm_head.weight
+    return drafter.to(device=p.device, dtype=p.dtype).eval()

@@ -1,0 +1,124 @@
+"""The target / drafter decoder stack with its KV cache and an explicit LM-head seam."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from spechead import kernels
+from spechead.model.config import ModelConfig
+from spechead.model.layers import (
+    Block,
+    KVCache,
+    PrepackedLinear,
+    RMSNorm,
+    Rotary,
+    mkl_packing_available,
+)
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class TargetOutput:
+    hidden: Tensor  # [T, d] final normed state (EAGLE-1/2 feature, LM-head input)
+    logits: Tensor | None  # [T', V] for the requested rows
+    aux: Tensor | None = None  # [T, 3d] inputs of layers (2, L//2, L-3) for EAGLE-3
+
+
+class Transformer(nn.Module):
+    """Target model. ``forward`` runs T tokens at slots [start, start+T) of the KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        n = cfg.num_hidden_layers
+        # EAGLE-3 fuses the inputs of layers 2, L//2 and L-3 (tiny test models fall back to spread-out layers)
+        self.eagle3_layers = (2, n // 2, n - 3) if n >= 6 else (0, n // 2, n - 1)
+        self.rotary: Rotary | None = None
+        self.max_len = 0
+
+    def setup_cache(self, max_len: int) -> None:
+        """Allocate the KV cache (and RoPE tables) for sequences of up to ``max_len`` tokens."""
+        cfg, p = self.config, self.lm_head.weight
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
+        if max_len == self.max_len:
+            return
+        self.max_len = max_len
+        self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
+        for layer in self.model.layers:
+            layer.self_attn.cache = KVCache(max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device)
+
+    def fuse(self) -> Transformer:
+        """Fuse projections for inference (the state dict no longer matches the HF names afterwards)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def prepack(self, rows: int) -> bool:
+        """Lay out every projection for few-row products: spechead's kernels (any row count up to 16) where
+        a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
+        layout applies. Idempotent; see ``PrepackedLinear`` for why."""
+        w = self.lm_head.weight
+        if w.device.type != "cpu":
+            return False
+        if not kernels.supports(w) and (rows < 2 or w.dtype != torch.float32 or not mkl_packing_available()):
+            return False
+        for name, child in list(self.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent_name, _, attr = name.rpartition(".")
+                child = PrepackedLinear(child)
+                setattr(self.get_submodule(parent_name), attr, child)
+            if isinstance(child, PrepackedLinear):
+                child.pack(rows)
+        return True
+
+    def move_cache(self, src_slots: Tensor, dst_start: int) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.cache.move(src_slots, dst_start)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        start: int,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        logits_rows: slice | Tensor | None = slice(None),
+        want_aux: bool = False,
+    ) -> TargetOutput:
+        """tokens: [T] ids for slots [start, start+T). positions default to the slots (tree nodes pass depths).
+
+        ``logits_rows`` selects which rows get the (expensive) LM head: all by default, None for none.
+        """
+        if self.rotary is None:
+            raise RuntimeError("call setup_cache() before forward()")
+        t = tokens.shape[0]
+        if start + t > self.max_len:
+            raise ValueError(f"sequence of {start + t} tokens exceeds the cache of {self.max_len}")
+        if positions is None:
+            positions = torch.arange(start, start + t, device=tokens.device)
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(tokens)
+        aux: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if want_aux and i in self.eagle3_layers:
+                aux[i] = x
+            x = layer(x, layer.input_layernorm(x), cos, sin, start, mask)
+        h = self.model.norm(x)
+        logits = None if logits_rows is None else self.lm_head(h[logits_rows])
+        fused = torch.cat([aux[i] for i in self.eagle3_layers], dim=-1) if want_aux else None
+        return TargetOutput(h, logits, fused)

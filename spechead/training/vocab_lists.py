@@ -1,0 +1,280 @@
+"""Static draft vocabularies: FR-Spec frequency lists and VocabTrim drafter-proposal lists.
+
+Both are written in the format SGLang reads for ``--speculative-token-map``: a ``torch.save``d
+Python list of int token ids, most important first, one file per size (``freq_<N>.pt``,
+``vocabtrim_<N>.pt``). The lists are prefix-consistent (the N-list is the first N of any longer
+one), so a head asking for N can truncate a longer file. The end-of-turn tokens are always put
+first: a draft vocabulary that cannot propose EOS costs a whole round at the end of every reply.
+
+Default location, keyed by the target's vocabulary size (a list depends on the tokenizer only, and
+a ``DraftHead`` knows the target by its V): ``$SPECHEAD_CACHE/vocab/v<V>/``, where the commands
+write by default, then the lists shipped in the package (``spechead/drafters/vocab/v<V>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from spechead.errors import SpecheadError
+from spechead.heads.tokenmaps import (
+    save_token_map,
+    vocab_dirs,
+)
+from spechead.model.tokenizer import end_token_ids, load_any_tokenizer
+from spechead.training.data import parse_data_spec, read_jsonl
+
+
+def rank_ids(score: Tensor, tie_break: Tensor | None = None, first: list[int] = ()) -> list[int]:
+    """All ids by descending score (then tie_break, then id), with ``first`` moved to the front."""
+    order = torch.arange(score.numel())
+    if tie_break is not None:
+        order = order[torch.sort(tie_break[order], descending=True, stable=True).indices]
+    order = order[torch.sort(score[order], descending=True, stable=True).indices]
+    head = list(dict.fromkeys(int(i) for i in first))
+    skip = set(head)
+    return head + [i for i in order.tolist() if i not in skip]
+
+
+def write_lists(kind: str, ranked: list[int], sizes: list[int], out: Path) -> list[Path]:
+    return [save_token_map(ranked[:n], out / f"{kind}_{n}.pt") for n in sizes]
+
+
+def parse_sizes(spec: str, vocab_size: int) -> list[int]:
+    try:
+        sizes = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise SpecheadError(f"--sizes must be comma-separated integers, got {spec!r}") from None
+    for n in sizes:
+        if not 0 < n <= vocab_size:
+            raise SpecheadError(f"list size {n} must be in [1, {vocab_size}] (the vocabulary size)")
+    if not sizes:
+        raise SpecheadError("--sizes is empty")
+    return sorted(set(sizes))
+
+
+def assistant_segments(tok, messages: list[dict]) -> list[str]:
+    """The text the drafter will have to predict for each assistant turn: the reply as the chat
+    template renders it (including its end-of-turn marker), or the bare content without a template."""
+    out = []
+    template = getattr(tok, "chat_template", None)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") != "assistant" or not isinstance(m.get("content"), str):
+            continue
+        seg = m["content"]
+        if template and i > 0:
+            try:
+                before = tok.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+                full = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+                if full.startswith(before):
+                    seg = full[len(before) :]
+            except Exception:  # a template that rejects this conversation: count the bare content
+                pass
+        out.append(seg)
+    return out
+
+
+def record_texts(tok, rec: dict) -> list[str]:
+    if isinstance(rec.get("messages"), list):
+        return assistant_segments(tok, rec["messages"])
+    if isinstance(rec.get("text"), str):
+        return [rec["text"]]
+    return []
+
+
+def count_tokens(tok, files: list[str], vocab_size: int, limit: int | None = None, batch: int = 256) -> Tensor:
+    """Token counts [V] over the assistant text of chat records and the whole of raw-text records."""
+    from tqdm import tqdm
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    pending: list[str] = []
+
+    def flush() -> int:
+        if not pending:
+            return 0
+        ids = [i for seq in tok(pending, add_special_tokens=False)["input_ids"] for i in seq]
+        pending.clear()
+        t = torch.tensor(ids, dtype=torch.long)
+        if t.numel() and int(t.max()) >= vocab_size:
+            raise SpecheadError(f"tokenizer produced id {int(t.max())} beyond the vocabulary size {vocab_size}")
+        counts.add_(torch.bincount(t, minlength=vocab_size))
+        return t.numel()
+
+    total = 0
+    for path in files:
+        bar = tqdm(read_jsonl(path, keys=None), desc=Path(path).name, unit=" rec", leave=False)
+        for n, rec in enumerate(bar):
+            if limit is not None and n >= limit:
+                break
+            pending += record_texts(tok, rec)
+            if len(pending) >= batch:
+                total += flush()
+                bar.set_postfix(tokens=total, refresh=False)
+        total += flush()
+        bar.close()
+    if total == 0:
+        raise SpecheadError("no text found: records need 'messages' (chat) or 'text'")
+    return counts
+
+
+# -- VocabTrim calibration ---------------------------------------------------------------------
+def record_prompt(rec: dict) -> list[dict[str, str]] | None:
+    """The chat turns to prompt with: Spec-Bench ``turns`` (first turn), the messages before the first
+    assistant reply, or a ``prompt`` / ``text`` field as one user turn."""
+    if isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+        return [{"role": "user", "content": rec["turns"][0]}]
+    if isinstance(rec.get("messages"), list):
+        turns = []
+        for m in rec["messages"]:
+            if not isinstance(m, dict) or m.get("role") == "assistant":
+                break
+            turns.append({"role": str(m.get("role")), "content": str(m.get("content", ""))})
+        return turns if any(t["role"] == "user" for t in turns) else None
+    for key in ("prompt", "text"):
+        if isinstance(rec.get(key), str) and rec[key].strip():
+            return [{"role": "user", "content": rec[key]}]
+    return None
+
+
+@torch.inference_mode()
+def drafter_head_inputs(target, drafter, seq: Tensor, P: int) -> Tensor:
+    """The drafter's head inputs [L-P, d] at every draft position of ``seq`` after the first P tokens,
+    computed in one pass: row i is the state the engine drafts its first tree level from once the
+    prompt and i+1 reply tokens are known (the pair (feature_j, token_j+1), j = P-1+i); it predicts
+    token P+1+i."""
+    L = seq.numel()
+    out = target(seq, 0, logits_rows=slice(-1, None), want_aux=drafter.arch == "eagle3")
+    feats = drafter.target_features(out)
+    h = drafter(seq[1:], feats[:-1], 0, torch.arange(L - 1, device=seq.device), None)[P - 1 :]
+    return drafter.head_input(h)
+
+
+@torch.inference_mode()
+def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_tokens: int, topk: int, max_prompt: int):
+    """VocabTrim calibration: the target writes a reply to each prompt (greedy; the speculative path
+    with the full head gives the target's exact output, faster), then the drafter reads prompt + reply
+    the way the engine feeds it and we count its top-k proposals at every reply position.
+
+    Returns (proposal counts [V], summed draft probability [V], reply positions checked, positions
+    whose true next token was among the drafter's top-k).
+    """
+    from tqdm import tqdm
+
+    target = session.target
+    V = target.config.vocab_size
+    weight, row_ids = drafter.head_weight(target)
+    dec = session.decoder(drafter, "full")
+    counts = torch.zeros(V, dtype=torch.long)
+    mass = torch.zeros(V, dtype=torch.float64)
+    seen = hit = 0
+    for turns in tqdm(prompts, desc="calibration", unit=" prompt"):
+        ids = session.encode(turns)[-max_prompt:]
+        reply = dec.generate(ids, max_new_tokens).tokens
+        seq = torch.tensor(ids + reply, dtype=torch.long, device=weight.device)
+        P, L = len(ids), seq.numel()
+        if L - P < 2:
+            continue
+        logits = torch.nn.functional.linear(drafter_head_inputs(target, drafter, seq, P), weight).float()
+        rows = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
+        top = rows if row_ids is None else row_ids[rows]
+        counts += torch.bincount(top.flatten().cpu(), minlength=V)
+        probs = logits.softmax(-1).sum(0).double().cpu()
+        mass.index_add_(0, (torch.arange(weight.shape[0]) if row_ids is None else row_ids).cpu(), probs)
+        truth = seq[P + 1 :]  # what the drafter should have proposed at rows 0 .. L-P-2
+        seen += truth.numel()
+        hit += int((top[: truth.numel()] == truth[:, None]).any(-1).sum())
+    return counts, mass, seen, hit
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def cmd_freq(args) -> int:
+    files = [f for spec in args.data for f in _expand(spec)]
+    tok, V = load_any_tokenizer(args.tokenizer)
+    sizes = parse_sizes(args.sizes, V)
+    counts = count_tokens(tok, files, V, args.limit)
+    ranked = rank_ids(counts.double(), first=end_token_ids(tok))
+    out = Path(args.out) if args.out else vocab_dirs(V)[0]
+    paths = write_lists("freq", ranked, sizes, out)
+    total = int(counts.sum())
+    for n, p in zip(sizes, paths, strict=True):
+        covered = int(counts[torch.tensor(ranked[:n])].sum())
+        print(f"{p}: {n} ids cover {covered / total:.2%} of {total} counted tokens")
+    return 0
+
+
+def cmd_vocabtrim(args) -> int:
+    from spechead.decoding.session import Session, resolve_drafter
+
+    if args.topk < 1:
+        raise SpecheadError("--topk must be >= 1")
+    prompts = []
+    for spec in args.prompts:
+        path_spec, per_file = parse_data_spec(spec)
+        for path in _expand(str(path_spec)):
+            found = 0
+            for rec in read_jsonl(path, keys=None):
+                if per_file is not None and found >= per_file:
+                    break
+                if (turns := record_prompt(rec)) is not None:
+                    prompts.append(turns)
+                    found += 1
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    if not prompts:
+        raise SpecheadError("no prompts found: records need 'turns', 'messages', 'prompt' or 'text'")
+    session = Session.open(args.target, args.max_len)
+    V = session.target.config.vocab_size
+    sizes = parse_sizes(args.sizes, V)
+    drafter = resolve_drafter(args.drafter, session.target, args.arch)
+    counts, mass, seen, hit = drafter_proposals(session, drafter, prompts, args.max_new_tokens, args.topk, 1024)
+    ranked = rank_ids(counts.double(), tie_break=mass, first=end_token_ids(session.tokenizer))
+    out = Path(args.out) if args.out else vocab_dirs(V)[0]
+    paths = write_lists("vocabtrim", ranked, sizes, out)
+    print(f"{len(prompts)} prompts, {seen} reply positions; the drafter's top-{args.topk} held the target's token")
+    print(f"at {hit / max(seen, 1):.2%} of them; {int((counts > 0).sum())} distinct ids proposed (the rest of each")
+    print("list is ranked by summed draft probability)")
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _expand(spec: str) -> list[str]:
+    """A file, or a folder (its *.jsonl and *.jsonl.gz files)."""
+    p = Path(spec)
+    if p.is_dir():
+        files = sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.gz")])
+        if not files:
+            raise SpecheadError(f"no .jsonl or .jsonl.gz files in {p}")
+        return [str(f) for f in files]
+    if not p.is_file():
+        raise SpecheadError(f"data file not found: {spec}")
+    return [spec]
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    f = sub.add_parser("freq", help="FR-Spec: frequency-ranked token lists from a corpus (SGLang token-map format)")
+    f.add_argument("--tokenizer", default="demo", help="demo, a tokenizer/model folder or a tokenizer.json")
+    f.add_argument("--data", nargs="+", required=True, help="JSONL(.gz) files or folders: chat 'messages' or 'text'")
+    f.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
+    f.add_argument("--out", default=None, help="output folder (default: where fr:N looks)")
+    f.add_argument("--limit", type=int, default=None, help="records per file")
+    f.set_defaults(func=cmd_freq)
+
+    v = sub.add_parser("vocabtrim", help="VocabTrim: token lists from the drafter's own proposals on target replies")
+    v.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
+    v.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
+    v.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
+    v.add_argument(
+        "--prompts", nargs="+", required=True, help="JSONL(.gz) files or folders; FILE:N = its first N prompts"
+    )
+    v.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
+    v.add_argument("--out", default=None, help="output folder (default: where vocabtrim:N looks)")
+    v.add_argument("--limit", type=int, default=None, help="number of prompts")
+    v.add_argument("--max-new-tokens", type=int, default=128, help="length of each calibration reply")
+    v.add_argument("--topk", type=int, default=4, help="drafter proposals counted per position (the tree's top_k)")
+    v.add_argument("--max-len", type=int, default=2048)
+    v.add_argument("--threads", type=int, default=None)
+    v.set_defaults(func=cmd_vocabtrim)

@@ -1,0 +1,71 @@
+"""Measurement primitives shared by the tuner and the benchmarks: medians, bandwidth, CPU facts."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+# -- the machine ---------------------------------------------------------------------------------
+def llc_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    except (OSError, ValueError):
+        return 64 * 2**20
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+class CopyMeter:
+    """The machine's copy bandwidth (bytes read + bytes written per second of a large tensor copy).
+
+    Sampled once at the start and again inside every repeat, next to the heads: on a shared machine the
+    bandwidth a run gets drifts, and a floor must be computed under the same conditions as the timing.
+    """
+
+    def __init__(self, nbytes: int = 256 * 2**20) -> None:
+        self.src = torch.ones(nbytes // 4)
+        self.dst = torch.empty_like(self.src)
+        self.nbytes = nbytes
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        gbps = 2 * self.nbytes / (time.perf_counter() - t0) / 1e9
+        self.samples.append(gbps)
+        return gbps
+
+    def start(self, repeats: int = 7) -> dict[str, float]:
+        self.sample()
+        copy = statistics.median(self.sample() for _ in range(repeats))
+        read = self.nbytes / median_ms(lambda: self.src.sum(), repeats) / 1e6
+        self.samples.clear()
+        return {"copy_GBps": copy, "read_GBps": read, "buffer_MB": self.nbytes / 2**20}
+
+    def median(self) -> float:
+        return statistics.median(self.samples)
