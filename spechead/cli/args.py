@@ -1,0 +1,68 @@
+"""Argument groups every subcommand shares, defined once: target, drafter, head, tree, decoding limits,
+sampling and threads. A subcommand adds the groups it needs; the help text and defaults stay the same
+everywhere (``spechead generate --help`` and ``spechead serve --help`` describe ``--tree`` alike)."""
+
+from __future__ import annotations
+
+import argparse
+
+AUTO_TREE_HELP = (
+    "draft tree: 'auto' (default: the tree `spechead tune` measured fastest for this machine, target, drafter "
+    "and head; tuned on first use, then cached), 'top_k,depth,total_tokens' or 'chain:N', optionally "
+    "'+lookup:L' (a context-lookup branch of up to L tokens)"
+)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a clear usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
+
+
+def add_drafter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
+    p.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random")
+
+
+def add_head(p: argparse.ArgumentParser, help: str = "draft head, e.g. full, nanospec, lowrank") -> None:
+    p.add_argument("--head", default="full", help=help)
+
+
+def add_tree(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
+
+
+def add_max_len(p: argparse.ArgumentParser, default: int = 4096) -> None:
+    p.add_argument("--max-len", type=int, default=default, help="context limit (KV cache size)")
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def add_threads(p: argparse.ArgumentParser, type=int) -> None:
+    p.add_argument("--threads", type=type, default=None, help="torch CPU threads (default: all cores)")
+
+
+def add_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true", help="torch.compile the target (one-time cost)")
+
+
+def set_threads(n: int | None) -> None:
+    """Apply ``--threads`` before any torch work."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
