@@ -125,7 +125,7 @@ def test_bad_token_lists(tmp_path, content, match):
 
 def test_bad_specs(tmp_path, cache):
     w = torch.randn(64, 8)
-    for spec, match in [("fr:0", "1 <= N <= 64"), ("fr:-3", "1 <= N <= 64"), ("vocabtrim:65", "1 <= N <= 64")]:
+    for spec, match in [("fr:0", "1 <= N"), ("fr:-3", "1 <= N"), ("vocabtrim:65", "1 <= N <= 64")]:
         with pytest.raises(SpecheadError, match=match):
             make_head(spec, w, None, 64)
     with pytest.raises(SpecheadError, match="not found"):

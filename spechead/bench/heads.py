@@ -23,16 +23,10 @@ calls, the low-rank scorer's bytes and B*m*d*e for the escape rows.
 
 from __future__ import annotations
 
-import argparse
-import inspect
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +34,10 @@ from torch import Tensor
 
 from spechead import kernels
 from spechead.errors import SpecheadError
-from spechead.heads.base import DraftHead
-from spechead.heads.full import FullHead
-from spechead.heads.lowrank import LowRankHead, LowRankScorer, fast_topk_logprobs
-from spechead.heads.subset import FrequencyHead, VocabTrimHead
+from spechead.heads import HEADS
+from spechead.heads.base import BenchCase, BenchSettings, DraftHead
 from spechead.kernels.linear import BlockedWeight, PackedLinear
-from spechead.model.lowrank import LowRankLinear, default_rank
-from spechead.tuning.measure import CopyMeter, cpu_name, llc_bytes
+from spechead.tuning.measure import CopyMeter, llc_bytes
 
 SHAPES = {  # (d, V) of the paper's targets, and the demo
     "llama3.1-8b": (4096, 128256),
@@ -95,75 +86,46 @@ class GemmRate:
         return statistics.median(self.samples[B])
 
 
-# -- heads under test ----------------------------------------------------------------------------
+# -- heads under test: every registered head declares its own cases (DraftHead.bench_cases) -------
 @dataclass
-class Case:
-    name: str
-    spec: str
-    head: DraftHead
-    per_round: bool = False  # stateful head: timed by rounds of observe + calls
-    note: str = ""
+class Timed:
+    """A head's bench case with its timings per batch."""
+
+    case: BenchCase
     timings: dict[int, list[float]] = field(default_factory=dict)
     rounds: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # observe, 1st call, rest
     feeder: RoundFeeder | None = None
 
+    @property
+    def name(self) -> str:
+        return self.case.name
 
-class PackedFullHead(DraftHead):
-    """Reference only: the full head with the same CPU tuning as the other heads (packed weight,
-    two-stage top-k), so that speed ratios can be read without the tuning's share."""
-
-    name = "full-packed"
-
-    def __init__(self, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> None:
-        super().__init__(weight, row_ids, vocab_size)
-        self.lin = PackedLinear(weight)
-
-    def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        return fast_topk_logprobs(self.lin(h), k)
+    @property
+    def head(self) -> DraftHead:
+        return self.case.head
 
 
-def build_cases(W: Tensor, d: int, V: int, args, gen: torch.Generator) -> tuple[list[Case], dict[str, str]]:
-    """The heads of the issue at this shape. Static subsets use random ids (cost does not depend on which)."""
-    cases, skipped = [Case("full", "full", FullHead(W, None, V), note="the engine's FullHead")], {}
-    cases.append(Case("full-packed", "-", PackedFullHead(W, None, V), note="reference: full head, packed + fast top-k"))
-    n_sub = min(args.subset, V)
-    ids = torch.randperm(V, generator=gen)[:n_sub]
-    cases.append(Case(f"fr:{n_sub}", f"fr:{n_sub}", FrequencyHead(W, None, V, ids)))
-    cases.append(Case(f"vocabtrim:{n_sub}", f"vocabtrim:{n_sub}", VocabTrimHead(W, None, V, ids)))
-    r = args.rank or default_rank(d)
-    # random factors: an SVD of a random [V, d] matrix costs minutes here and does not change the cost
-    lr = LowRankLinear.from_random(d, V, r, generator=gen, dtype=W.dtype)
-    cases.append(Case(f"lowrank:{r}", f"lowrank:{r}", LowRankHead(lr, None, V)))
-    try:
-        from spechead.heads import hybrid as hybrid_module
-        from spechead.heads import nanospec
-    except ImportError as e:
-        skipped["nanospec"] = skipped["hybrid"] = f"spechead.nanospec not available ({e})"
-        return cases, skipped
-    w_max = min(args.w_max, V)
-    try:
-        head = nanospec.NanoSpecHead(W, None, V, w_max=w_max, policy="lru", gather="sync")
-        cases.append(Case(f"nanospec:{w_max}", f"nanospec:{w_max}", head, per_round=True, note="LRU-full steady state"))
-    except (TypeError, SpecheadError) as e:
-        skipped["nanospec"] = f"cannot build NanoSpecHead: {e}"
-    hybrid = getattr(hybrid_module, "HybridHead", None)
-    if hybrid is None:
-        skipped["hybrid"] = "spechead.nanospec has no HybridHead yet"
-        return cases, skipped
-    params = inspect.signature(hybrid).parameters
-    common = {"w_max": w_max, "policy": "lru", "gather": "sync"}
-    variants = [(f"hybrid:{w_max}", f"hybrid:{w_max}", {}, "its defaults")]
-    if "scorer" in params and "m" in params:  # the low-rank escape, on the same random factors as lowrank:r
-        esc = {"m": args.escape_m, "scorer": LowRankScorer(lr.up.weight, lr.down.weight)}
-        variants.append((f"hybrid+esc{args.escape_m}", f"hybrid:{w_max}:m={args.escape_m}:rank={r}", esc, "escape"))
-    for name, spec, extra, note in variants:
+def settings_of(args) -> BenchSettings:
+    return BenchSettings(
+        subset=args.subset,
+        rank=args.rank,
+        w_max=args.w_max,
+        escape_m=args.escape_m,
+        calls_per_round=args.calls_per_round,
+        new_per_round=args.new_per_round,
+        nodes=args.nodes,
+    )
+
+
+def build_cases(W: Tensor, V: int, settings: BenchSettings, gen: torch.Generator) -> tuple[list[Timed], dict[str, str]]:
+    """Every registered head's cases at this shape, the full head first (the ratios' reference); a head that
+    cannot be built here is reported as skipped with its reason."""
+    cases, skipped = [], {}
+    for name in sorted(HEADS, key=lambda n: n != "full"):
         try:
-            head = hybrid(W, None, V, **common, **extra)
-        except (TypeError, SpecheadError) as e:
-            skipped[name] = f"cannot build HybridHead: {e}"
-            continue
-        desc = f"{note}: m={getattr(head, 'm', '?')}, escape_calls={getattr(head, 'escape_calls', '?')}"
-        cases.append(Case(name, spec, head, per_round=True, note=desc))
+            cases += [Timed(c) for c in HEADS[name].bench_cases(W, V, settings, gen)]
+        except SpecheadError as e:
+            skipped[name] = str(e)
     return cases, skipped
 
 
@@ -208,44 +170,10 @@ class RoundFeeder:
         return tree, logits, tree[:3].tolist()
 
 
-def bytes_per_call(case: Case, B: int, d: int, V: int, e: int, args) -> int:
-    h = case.head
-    if isinstance(h, (FullHead, PackedFullHead)):
-        return V * d * e + B * V * e
-    if isinstance(h, (FrequencyHead, VocabTrimHead)):
-        return h.size * d * e + B * h.size * e
-    if isinstance(h, LowRankHead):
-        r = h.scorer.rank
-        return (r * d + V * r) * e + B * V * e
-    # NanoSpec-style: per call W rows, per round the gather and the tree logits read by observe
-    n, calls = h.w_max, args.calls_per_round
-    per_round = calls * (n * d * e + B * n * e) + 2 * args.new_per_round * d * e + args.nodes * V * e
-    if hasattr(h, "escape_calls"):
-        r, m = h.rank, h.m
-        per_round += min(h.escape_calls, calls) * ((r * d + V * r) * e + B * V * e + B * m * d * e)
-    return per_round // calls
-
-
-def flops_per_call(case: Case, B: int, d: int, V: int, args) -> int:
-    """Multiply-adds x 2 of the head's GEMMs (top-k, softmax and gathers are not counted)."""
-    h = case.head
-    if isinstance(h, (FullHead, PackedFullHead)):
-        return 2 * B * V * d
-    if isinstance(h, (FrequencyHead, VocabTrimHead)):
-        return 2 * B * h.size * d
-    if isinstance(h, LowRankHead):
-        return 2 * B * h.scorer.rank * (d + V)
-    calls = args.calls_per_round
-    per_round = calls * 2 * B * h.w_max * d
-    if hasattr(h, "escape_calls"):
-        per_round += min(h.escape_calls, calls) * 2 * B * (h.rank * (d + V) + h.m * d)
-    return per_round // calls
-
-
-def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args) -> float:
+def time_case(case: Timed, h: Tensor, k: int, flush: Flusher, args) -> float:
     """Milliseconds per draft call for one repeat (cold caches before every call unless --hot)."""
     head = case.head
-    if not case.per_round:
+    if not case.case.per_round:
         flush()
         t0 = time.perf_counter()
         head.topk(h, k)
@@ -271,12 +199,12 @@ def time_case(case: Case, h: Tensor, k: int, flush: Flusher, args) -> float:
 def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Flusher, meter: CopyMeter) -> dict:
     d, V = SHAPES[shape]
     dtype = DTYPES[dtype_name]
-    e = torch.finfo(dtype).bits // 8
     gen = torch.Generator().manual_seed(args.seed)
     W = (torch.randn(V, d, generator=gen) * 0.02).to(dtype)
-    cases, skipped = build_cases(W, d, V, args, gen)
+    settings = settings_of(args)
+    cases, skipped = build_cases(W, V, settings, gen)
     for c in cases:
-        if c.per_round:
+        if c.case.per_round:
             topk = getattr(c.head, "ext_topk", 3)
             c.feeder = RoundFeeder(V, c.head.w_max, args.nodes, args.new_per_round, topk, gen)
             c.head.begin(c.feeder.prompt, None)
@@ -285,7 +213,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
     rate = GemmRate(d, dtype)
     for c in cases:
         c.timings = {B: [] for B in batches}
-    evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.per_round}
+    evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.case.per_round}
     for B in batches:
         h = torch.randn(B, d, generator=gen).to(dtype)
         for c in cases:  # warm-up
@@ -308,14 +236,13 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         "skipped": skipped,
     }
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
-    packed_ms = {B: statistics.median(cases[1].timings[B]) for B in batches}
     for c in cases:
         rows = {}
         for B in batches:
             ms = statistics.median(c.timings[B])
-            nbytes = bytes_per_call(c, B, d, V, e, args)
+            nbytes = c.head.call_bytes(B, settings)
             floor = nbytes / gbps / 1e6
-            flops = flops_per_call(c, B, d, V, args)
+            flops = c.head.call_flops(B, settings)
             compute = flops / rate.median(B) / 1e6
             if c.rounds.get(B):
                 obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
@@ -335,15 +262,14 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
                 "x_roofline": round(ms / max(floor, compute), 2),
                 "achieved_GBps": round(nbytes / ms / 1e6, 2),
                 "speedup_vs_full": round(full_ms[B] / ms, 2),
-                "speedup_vs_full_packed": round(packed_ms[B] / ms, 2),
-                "bytes_ratio_vs_full": round(bytes_per_call(cases[0], B, d, V, e, args) / nbytes, 2),
+                "bytes_ratio_vs_full": round(cases[0].head.call_bytes(B, settings) / nbytes, 2),
             }
-        out["heads"][c.name] = {"spec": c.spec, "note": c.note, "batches": rows}
+        out["heads"][c.name] = {"spec": c.case.spec, "note": c.case.note, "batches": rows}
         stats = c.head.stats()
         for key in ("active_size", "rank"):
             if key in stats:
                 out["heads"][c.name][key] = stats[key]
-        if c.per_round and "evicted" in stats:  # the steady state really gathered new rows every round
+        if c.case.per_round and "evicted" in stats:  # the steady state really gathered new rows every round
             rounds = len(batches) * (args.repeats + 1)
             out["heads"][c.name]["gathered_per_round"] = (stats["evicted"] - evicted0[c.name]) / rounds
     return out
@@ -409,35 +335,6 @@ def gemm_variants(
     return out
 
 
-# -- CLI -----------------------------------------------------------------------------------------
-def _ints(spec: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise SpecheadError(f"{what} must be comma-separated integers, got {spec!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise SpecheadError(f"{what} must be positive integers, got {spec!r}")
-    return vals
-
-
-def print_table(res: dict) -> None:
-    print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}, copy {res['copy_GBps']} GB/s during the run")
-    print("in-cache GEMM GFLOP/s by batch: " + ", ".join(f"{b}: {v}" for b, v in res["gemm_GFLOPs_in_cache"].items()))
-    print(
-        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'x roof':>8}{'GB/s':>8}{'vs full':>9}"
-        f"{'vs f-pk':>9}{'bytes x':>9}"
-    )
-    for name, hres in res["heads"].items():
-        for B, r in hres["batches"].items():
-            print(
-                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}{r['x_roofline']:>8.2f}"
-                f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}{r['speedup_vs_full_packed']:>9.2f}"
-                f"{r['bytes_ratio_vs_full']:>9.2f}"
-            )
-    for name, why in res["skipped"].items():
-        print(f"{name:<18} skipped: {why}")
-
-
 def issue_bars(report: dict) -> dict:
     """The issues' CPU bars at llama3.1-8b in bf16. Issue 4 (batch 10): NanoSpec:3072 >= 25x faster than
     the full head, the rank-512 low-rank head >= 4x, every head within 2x of its own bytes-moved floor.
@@ -461,100 +358,3 @@ def issue_bars(report: dict) -> dict:
                 key = f"{name} batch {batch} time / bytes floor ({issue})"
                 bars[key] = {"value": v, "want": f"<= {want}", "pass": v <= want}
     return bars
-
-
-def cmd_bench_heads(args) -> int:
-    shapes = [s for s in args.shape.split(",") if s]
-    for s in shapes:
-        if s not in SHAPES:
-            raise SpecheadError(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
-    if args.dtype not in DTYPES:
-        raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPES)}")
-    batches = _ints(args.batch, "--batch")
-    if args.repeats < 1 or args.calls_per_round < 1 or args.new_per_round < 0 or args.nodes < 1:
-        raise SpecheadError("--repeats, --calls-per-round and --nodes must be >= 1, --new-per-round >= 0")
-    if args.new_per_round > args.nodes:
-        raise SpecheadError("--new-per-round cannot exceed --nodes (new ids enter through the nodes' top-k)")
-    flush = Flusher(args.hot)
-    meter = CopyMeter()
-    bw = meter.start()
-    load0 = os.getloadavg()
-    report = {
-        "config": {
-            "command": "spechead " + " ".join(sys.argv[1:]),
-            "threads": torch.get_num_threads(),
-            "cpu": cpu_name(),
-            "cores": os.cpu_count(),
-            "llc_MB": llc_bytes() / 2**20,
-            "torch": torch.__version__,
-            "draft_gemm": f"spechead kernel ({kernels.active_isa()})"
-            if kernels.available()
-            else f"fallback: {kernels.unavailable_reason()}",
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
-            "repeats": args.repeats,
-            "k": args.k,
-            "calls_per_round": args.calls_per_round,
-            "new_per_round": args.new_per_round,
-            "tree_nodes": args.nodes,
-            "loadavg_start": [round(x, 2) for x in load0],
-        },
-        "machine": {k: round(v, 2) for k, v in bw.items()},
-        "shapes": {},
-    }
-    print(
-        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}); kernels: {report['config']['draft_gemm']}; "
-        f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads"
-    )
-    for s in shapes:
-        meter.samples.clear()
-        res = bench_shape(s, batches, args.dtype, args, flush, meter)
-        res["shape"] = s
-        report["shapes"][s] = res
-        print_table(res)
-        if args.gemm_variants:
-            d, V = SHAPES[s]
-            r = args.rank or default_rank(d)
-            report["shapes"][s]["gemm_variants"] = gvs = [
-                gemm_variants(d, min(args.gemm_rows, V), batches, DTYPES[args.dtype], args, flush, meter),
-                gemm_variants(r, V, batches, DTYPES[args.dtype], args, flush, meter),  # the low-rank head's W_up
-            ]
-            for gv in gvs:
-                for B, row in gv["batches"].items():
-                    print(f"  GEMM [{gv['rows']}, {gv['d']}] batch {B} (floor {row['floor_ms']:.2f} ms):")
-                    for name, v in row["variants"].items():
-                        print(f"    {name:<42}{v['ms']:>9.2f} ms {v['x_floor']:>7.2f}x floor {v['GFLOPs']:>7.1f} GF/s")
-    report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    bars = issue_bars(report)
-    if bars:
-        report["bars"] = bars
-        for name, b in bars.items():
-            print(f"bar {name}: {b['value']} (want {b['want']}): {'PASS' if b['pass'] else 'FAIL'}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-heads", help="time every draft head at a real model's shape (random weights)")
-    p.add_argument("--shape", default="llama3.1-8b", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
-    p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
-    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--k", type=int, default=10, help="top-k per call")
-    p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
-    p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
-    p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
-    p.add_argument("--escape-m", type=int, default=8, help="escape ids per row for the hybrid+esc variant")
-    p.add_argument("--calls-per-round", type=int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)")
-    p.add_argument("--new-per-round", type=int, default=16, help="fresh ids gathered into NanoSpec's set per round")
-    p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
-    p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
-    p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
-    p.add_argument("--gemm-rows", type=int, default=32768, help="rows of the matrix for --gemm-variants")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.set_defaults(func=cmd_bench_heads)

@@ -10,6 +10,9 @@ change the output: that is what keeps every method lossless.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import Tensor
 
@@ -18,16 +21,49 @@ from spechead.errors import SpecheadError
 from spechead.kernels import row_topk_supported
 from spechead.timing import Timers
 
+if TYPE_CHECKING:
+    from spechead.model.lowrank import LowRankLinear
+
+
+@dataclass
+class BenchSettings:
+    """What the head benchmark (``spechead bench-heads``) varies; each head reads the fields that apply to it."""
+
+    subset: int = 32768  # static-subset size
+    rank: int | None = None  # low-rank rank (None: d/8)
+    w_max: int = 3072  # NanoSpec's active-set bound
+    escape_m: int = 8  # hybrid escape candidates per row
+    calls_per_round: int = 6  # draft calls per round (EAGLE-2's root call + depth 5)
+    new_per_round: int = 16  # ids a round adds to an active set
+    nodes: int = 60  # tree nodes whose target logits a round observes
+
+
+@dataclass
+class BenchCase:
+    """One configuration the head benchmark times: a built head under a display name and its spec."""
+
+    name: str
+    spec: str
+    head: DraftHead
+    per_round: bool = False  # stateful head: timed by rounds of observe + calls
+    note: str = ""
+
 
 class DraftHead:
     """Interface. Subclasses override ``topk`` and, when they adapt to context, ``begin``/``observe``.
 
     ``weight`` is the drafter's LM-head matrix [V_draft, d]; ``row_ids`` maps its rows to target ids
     (None for the identity, as with a full-vocabulary head); ``vocab_size`` is the target's V.
+
+    Everything the engine, the benchmarks, the tuner and the server need from a head is declared here:
+    construction from a spec string (``from_spec``, with ``options`` parsing its argument without any
+    weights, so a bad spec is refused before a model loads), the cases the head benchmark times at a
+    given (d, V) (``bench_cases``) and the bytes and FLOPs a call moves (``call_bytes``, ``call_flops``).
     """
 
     name = "head"
     needs_prompt_logits = False
+    per_round = False  # state changes every round (observe): benchmarks time rounds, not single calls
 
     def __init__(self, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> None:
         self.weight = weight
@@ -35,6 +71,23 @@ class DraftHead:
         self.vocab_size = vocab_size
         self.timers = Timers()
 
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def options(cls, arg: str) -> dict[str, Any]:
+        """Constructor keywords from the spec's argument (``NAME:ARG``); raises SpecheadError on a bad one."""
+        if arg:
+            raise SpecheadError(f"head {cls.name!r} takes no argument (got {cls.name}:{arg})")
+        return {}
+
+    @classmethod
+    def from_spec(
+        cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+    ) -> DraftHead:
+        """The head for ``NAME:ARG`` over a drafter's LM head; ``factors`` is the drafter's own low-rank
+        head when it was trained with one (``weight`` is then their dense product)."""
+        return cls(weight, row_ids, vocab_size, **cls.options(arg))
+
+    # -- the request lifecycle ---------------------------------------------------------------------
     def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
         """A new request: reset per-request state. ``prompt_logits`` is [P, V] if asked for."""
 
@@ -47,6 +100,19 @@ class DraftHead:
         """Top-k of the draft distribution for states h [B, d]: (log-probs [B, k], target ids [B, k])."""
         raise NotImplementedError
 
+    def reference_logits(self, h: Tensor) -> Tensor:
+        """The logits the next ``topk(h, k)`` ranks, computed the plain way over the *target* vocabulary
+        [B, V] (float32, -inf where the head cannot propose): the contract tests check ``topk`` against it."""
+        raise NotImplementedError
+
+    def dense_logits(self, h: Tensor, rows: Tensor | None = None) -> Tensor:
+        """For ``reference_logits``: ``h @ weight[rows].T`` in float32 at the rows' target ids, -inf elsewhere."""
+        rows = torch.arange(self.weight.shape[0], device=h.device) if rows is None else rows
+        ids = rows if self.row_ids is None else self.row_ids[rows]
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=h.device)
+        out[:, ids] = h.float() @ self.weight[rows].float().T
+        return out
+
     def stats(self) -> dict[str, float]:
         """Per-request telemetry (active vocabulary size, coverage...)."""
         return {}
@@ -54,6 +120,57 @@ class DraftHead:
     def extra_bytes(self) -> int:
         """Memory this head holds beyond the drafter's own weights."""
         return 0
+
+    # -- what the benchmarks need ------------------------------------------------------------------
+    @classmethod
+    def bench_cases(
+        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
+    ) -> list[BenchCase]:
+        """The configurations the head benchmark times over a random [V, d] ``weight`` (costs do not depend
+        on the values): by default the head as ``from_spec("")`` builds it."""
+        return [BenchCase(cls.name, cls.name, cls.from_spec("", weight, None, vocab_size))]
+
+    @classmethod
+    def bench_key(cls, spec: str, keys: list[str]) -> str | None:
+        """Which head-benchmark row stands for a method's head ``spec`` (the projection at 8B shapes)."""
+        if spec in keys:
+            return spec
+        return next((k for k in keys if k.partition(":")[0] == cls.name), None)
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        """Bytes one draft call at ``batch`` rows reads and writes in the steady state: weights plus
+        logits (work done once per round is spread over ``settings.calls_per_round`` calls)."""
+        raise NotImplementedError(f"head {self.name!r} does not declare its bytes per call")
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        """2 x multiply-adds of the call's GEMMs (top-k, softmax and gathers are not counted)."""
+        raise NotImplementedError(f"head {self.name!r} does not declare its FLOPs per call")
+
+
+def parse_options(arg: str, ints: set[str], strs: set[str], positional: str | None = None) -> dict[str, Any]:
+    """``[POSITIONAL][:key=value...]`` -> constructor keywords (ints parsed). Unknown keys are a user error."""
+    kw: dict[str, Any] = {}
+    for i, part in enumerate(p for p in arg.split(":") if p):
+        if "=" not in part:
+            if i != 0 or positional is None:
+                raise SpecheadError(f"bad head option {part!r}: expected key=value")
+            kw[positional] = _int_opt(positional, part)
+            continue
+        key, _, value = part.partition("=")
+        if key in ints:
+            kw[key] = _int_opt(key, value)
+        elif key in strs:
+            kw[key] = value
+        else:
+            raise SpecheadError(f"unknown head option {key!r}; known: {', '.join(sorted(ints | strs))}")
+    return kw
+
+
+def _int_opt(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecheadError(f"{key} must be an integer, got {value!r}") from None
 
 
 def fast_topk(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
@@ -95,12 +212,11 @@ HEADS: dict[str, type[DraftHead]] = {}  # filled by register_head as spechead.he
 
 
 def register_head(name: str):
-    """Class decorator: make a head available to ``make_head`` / ``--head NAME[:ARG]``.
-
-    A head with an argument implements ``from_spec(arg, weight, row_ids, vocab_size)``.
-    """
+    """Class decorator: make a head available to ``make_head`` / ``--head NAME[:ARG]``."""
 
     def deco(cls: type[DraftHead]) -> type[DraftHead]:
+        if name in HEADS and HEADS[name] is not cls:
+            raise RuntimeError(f"two heads registered as {name!r}: {HEADS[name].__module__} and {cls.__module__}")
         cls.name = name
         HEADS[name] = cls
         return cls
@@ -108,13 +224,22 @@ def register_head(name: str):
     return deco
 
 
-def make_head(spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> DraftHead:
-    """Build a head from a CLI spec such as ``full``."""
-    name, _, arg = spec.partition(":")
+def head_class(spec: str) -> type[DraftHead]:
+    """The registered class of a spec ``NAME[:ARG]``; an unknown name is a user error listing the known ones."""
+    name = spec.partition(":")[0]
     if name not in HEADS:
         raise SpecheadError(f"unknown head {spec!r}; available: {', '.join(sorted(HEADS))}")
-    if arg:
-        if not hasattr(HEADS[name], "from_spec"):
-            raise SpecheadError(f"head {name!r} takes no argument (got {spec!r})")
-        return HEADS[name].from_spec(arg, weight, row_ids, vocab_size)
-    return HEADS[name](weight, row_ids, vocab_size)
+    return HEADS[name]
+
+
+def check_head_spec(spec: str) -> str:
+    """Validate ``spec`` without weights (name and options), so the CLI and the server refuse it early."""
+    head_class(spec).options(spec.partition(":")[2])
+    return spec
+
+
+def make_head(
+    spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+) -> DraftHead:
+    """Build a head from a spec such as ``full``, ``fr:8192`` or ``nanospec:1024:policy=lru``."""
+    return head_class(spec).from_spec(spec.partition(":")[2], weight, row_ids, vocab_size, factors)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from spechead.heads.base import DraftHead, register_head, topk_logprobs
+from spechead.heads.base import BenchSettings, DraftHead, register_head, topk_logprobs
+from spechead.heads.lowrank import LowRankHead
 from spechead.kernels.linear import PackedLinear
+from spechead.model.lowrank import LowRankLinear
 
 
 @register_head("full")
@@ -21,9 +23,31 @@ class FullHead(DraftHead):
         super().__init__(weight, row_ids, vocab_size)
         self.lin = PackedLinear(weight)
 
+    @classmethod
+    def from_spec(
+        cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+    ) -> DraftHead:
+        """A drafter trained with a SlimSpec head has no other head: its full head is its own factors."""
+        cls.options(arg)
+        if factors is not None:
+            return LowRankHead(factors, row_ids, vocab_size)
+        return cls(weight, row_ids, vocab_size)
+
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
             return topk_logprobs(self.lin(h), k, self.row_ids)
 
+    def reference_logits(self, h: Tensor) -> Tensor:
+        return self.dense_logits(h)
+
     def extra_bytes(self) -> int:
         return self.lin.nbytes if self.lin.kind != "linear" else 0
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        V, d = self.weight.shape
+        e = self.weight.element_size()
+        return V * d * e + batch * V * e
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        V, d = self.weight.shape
+        return 2 * batch * V * d

@@ -6,13 +6,13 @@ import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import register_head, topk_logprobs
+from spechead.heads.base import BenchCase, BenchSettings, register_head, topk_logprobs
 from spechead.heads.lowrank import LowRankScorer
 from spechead.heads.nanospec import (
     DEFAULT_W_MAX,
     NanoSpecHead,
 )
-from spechead.model.lowrank import check_rank, default_rank, gram_factors
+from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors
 
 HYBRID_FREQ = 512
 
@@ -67,7 +67,7 @@ class HybridHead(NanoSpecHead):
         rank = rank if rank is not None else default_rank(weight.shape[1])
         check_rank(rank, weight.shape[1])
         if scorer is None and m:
-            scorer = LowRankScorer(*gram_factors(weight, rank))
+            scorer = LowRankScorer(*svd_factors(weight, rank))
         self.scorer = scorer
         self.m, self.rank, self.escape_add = m, scorer.rank if scorer is not None else rank, escape_add
         self.escape_calls = escape_calls if m else 0  # m=0: no escape (the frequent backstop only)
@@ -102,6 +102,60 @@ class HybridHead(NanoSpecHead):
             if self.escape_add == "all":
                 self._escaped.append(esc_ids.flatten())
             return logp, union.gather(1, idx)
+
+    def reference_logits(self, h: Tensor) -> Tensor:
+        """The set's logits, plus on an escaping call the exact logits of the scorer's m best rows outside it."""
+        out = super().reference_logits(h)
+        if self.n == 0 or self._calls + 1 > self.escape_calls:
+            return out
+        in_rows = self.in_set if self.row_ids is None else self.in_set[self.row_ids]
+        esc = self.scorer.candidates(h, self.m, exclude=in_rows)  # [B, m] drafter rows
+        for b in range(h.shape[0]):
+            ids = esc[b] if self.row_ids is None else self.row_ids[esc[b]]
+            out[b, ids] = h[b].float() @ self.weight[esc[b]].float().T
+        return out
+
+    @classmethod
+    def bench_cases(
+        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
+    ) -> list[BenchCase]:
+        """Its defaults, and the low-rank escape on random factors at the low-rank head's rank."""
+        V, d = weight.shape
+        w_max, r = min(settings.w_max, vocab_size), settings.rank or default_rank(d)
+        common = {"w_max": w_max, "policy": "lru", "gather": "sync"}
+        factors = LowRankLinear.from_random(d, V, r, generator=gen, dtype=weight.dtype)
+        scorer = LowRankScorer(factors.up.weight, factors.down.weight)
+        cases = []
+        for name, spec, extra, note in [
+            (f"hybrid:{w_max}", f"hybrid:{w_max}", {}, "its defaults"),
+            (
+                f"hybrid+esc{settings.escape_m}",
+                f"hybrid:{w_max}:m={settings.escape_m}:rank={r}",
+                {"m": settings.escape_m, "scorer": scorer},
+                "escape",
+            ),
+        ]:
+            head = cls(weight, None, vocab_size, **common, **extra)
+            desc = f"{note}: m={head.m}, escape_calls={head.escape_calls}"
+            cases.append(BenchCase(name, spec, head, per_round=True, note=desc))
+        return cases
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        """NanoSpec's bytes plus, on the calls that escape, the low-rank scores and the m exact rows."""
+        d, e, calls = self.weight.shape[1], self.weight.element_size(), settings.calls_per_round
+        r, V, m = self.rank, self.vocab_size, self.m
+        escape = min(self.escape_calls, calls) * ((r * d + V * r) * e + batch * V * e + batch * m * d * e)
+        return super().call_bytes(batch, settings) + escape // calls
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        calls = settings.calls_per_round
+        escape = (
+            min(self.escape_calls, calls)
+            * 2
+            * batch
+            * (self.rank * (self.weight.shape[1] + self.vocab_size) + self.m * self.weight.shape[1])
+        )
+        return super().call_flops(batch, settings) + escape // calls
 
     def stats(self) -> dict[str, float]:
         out = super().stats()

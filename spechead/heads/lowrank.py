@@ -11,10 +11,13 @@ for a few candidates outside its active set and then computes exact logits on th
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import DraftHead, register_head, topk_logprobs
+from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head, topk_logprobs
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors, truncate_factors
 
@@ -34,6 +37,7 @@ class LowRankScorer:
             raise SpecheadError(f"low-rank factors disagree: up {tuple(up.shape)}, down {tuple(down.shape)}")
         self.up = PackedLinear(up)  # [V, r]
         self.down = PackedLinear(down)  # [r, d]
+        self.factors = (up, down)  # as given, for plain-way references
 
     @classmethod
     def from_weight(cls, weight: Tensor | LowRankLinear, r: int | None = None) -> LowRankScorer:
@@ -89,19 +93,53 @@ class LowRankHead(DraftHead):
         self.scorer = LowRankScorer.from_weight(weight, rank)
 
     @classmethod
-    def from_spec(cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> LowRankHead:
+    def options(cls, arg: str) -> dict[str, Any]:
+        if not arg:
+            return {}
         try:
-            rank = int(arg)
+            return {"rank": int(arg)}
         except ValueError:
             raise SpecheadError(f"lowrank head wants an integer rank (lowrank:R), got {arg!r}") from None
-        return cls(weight, row_ids, vocab_size, rank)
+
+    @classmethod
+    def from_spec(
+        cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+    ) -> LowRankHead:
+        """``lowrank`` / ``lowrank:R``: the drafter's own factors (re-truncated to R) when it has them, else the
+        rank-R (default d/8) SVD of its full head."""
+        return cls(factors if factors is not None else weight, row_ids, vocab_size, **cls.options(arg))
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
             return topk_logprobs(self.scorer.logits(h), k, self.row_ids)
 
+    def reference_logits(self, h: Tensor) -> Tensor:
+        up, down = (f.float() for f in self.scorer.factors)
+        ids = torch.arange(up.shape[0]) if self.row_ids is None else self.row_ids
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"))
+        out[:, ids] = (h.float() @ down.T) @ up.T
+        return out
+
     def stats(self) -> dict[str, float]:
         return {"rank": float(self.scorer.rank)}
+
+    @classmethod
+    def bench_cases(
+        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
+    ) -> list[BenchCase]:
+        """Random factors: an SVD of a random [V, d] matrix costs minutes and does not change the cost."""
+        V, d = weight.shape
+        r = settings.rank or default_rank(d)
+        factors = LowRankLinear.from_random(d, V, r, generator=gen, dtype=weight.dtype)
+        return [BenchCase(f"lowrank:{r}", f"lowrank:{r}", cls(factors, None, vocab_size))]
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        (V, r), d, e = self.scorer.up.shape, self.scorer.down.shape[1], self.scorer.up.dtype.itemsize
+        return (r * d + V * r) * e + batch * V * e
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        V, d = self.scorer.up.shape[0], self.scorer.down.shape[1]
+        return 2 * batch * self.scorer.rank * (d + V)
 
     def extra_bytes(self) -> int:
         return self.scorer.nbytes

@@ -32,13 +32,22 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from spechead import kernels
 from spechead.errors import SpecheadError
-from spechead.heads.base import DraftHead, fast_topk, register_head, topk_logprobs
+from spechead.heads.base import (
+    BenchCase,
+    BenchSettings,
+    DraftHead,
+    fast_topk,
+    parse_options,
+    register_head,
+    topk_logprobs,
+)
 from spechead.kernels.linear import BlockedWeight
 
 DEFAULT_W_MAX = 3072
@@ -50,37 +59,12 @@ GATHERS = ("auto", "sync", "async")
 CPU_AUTO_GATHER = "sync"
 
 
-def _int_opt(key: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise SpecheadError(f"{key} must be an integer, got {value!r}") from None
-
-
-def parse_options(arg: str, ints: set[str], strs: set[str]) -> tuple[int | None, dict]:
-    """``[W_MAX][:key=value...]`` -> (W_max or None, kwargs). Unknown keys are a user error."""
-    w_max, kw = None, {}
-    for i, part in enumerate(p for p in arg.split(":") if p):
-        if "=" not in part:
-            if i != 0:
-                raise SpecheadError(f"bad head option {part!r}: expected key=value")
-            w_max = _int_opt("W_max", part)
-            continue
-        key, _, value = part.partition("=")
-        if key in ints:
-            kw[key] = _int_opt(key, value)
-        elif key in strs:
-            kw[key] = value
-        else:
-            raise SpecheadError(f"unknown head option {key!r}; known: {', '.join(sorted(ints | strs))}")
-    return w_max, kw
-
-
 @register_head("nanospec")
 class NanoSpecHead(DraftHead):
     """Dynamic in-context active vocabulary (see the module docstring)."""
 
     needs_prompt_logits = True
+    per_round = True
     INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
     STR_OPTS = {"sources", "policy", "gather"}
 
@@ -147,11 +131,27 @@ class NanoSpecHead(DraftHead):
         self._reset_counters()
 
     @classmethod
-    def from_spec(cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> NanoSpecHead:
-        w_max, kw = parse_options(arg, cls.INT_OPTS, cls.STR_OPTS)
-        if w_max is not None:
-            kw["w_max"] = w_max
-        return cls(weight, row_ids, vocab_size, **kw)
+    def options(cls, arg: str) -> dict[str, Any]:
+        """``[W_MAX][:key=value...]`` with the keys of INT_OPTS / STR_OPTS."""
+        return parse_options(arg, cls.INT_OPTS, cls.STR_OPTS, positional="w_max")
+
+    @classmethod
+    def bench_cases(
+        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
+    ) -> list[BenchCase]:
+        w_max = min(settings.w_max, vocab_size)
+        head = cls(weight, None, vocab_size, w_max=w_max, policy="lru", gather="sync")
+        return [BenchCase(f"nanospec:{w_max}", f"nanospec:{w_max}", head, per_round=True, note="LRU-full steady state")]
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        """Per call the W_max packed rows; per round the gather of the new rows and the tree logits observe reads."""
+        d, e, calls = self.weight.shape[1], self.weight.element_size(), settings.calls_per_round
+        n = self.w_max
+        per_round = calls * (n * d * e + batch * n * e) + 2 * settings.new_per_round * d * e
+        return (per_round + settings.nodes * self.vocab_size * e) // calls
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        return 2 * batch * self.w_max * self.weight.shape[1]
 
     def _frequent(self, n: int) -> Tensor:
         """The n most frequent ids (FR-Spec's default list for this vocabulary) the drafter can score."""
@@ -330,6 +330,15 @@ class NanoSpecHead(DraftHead):
             if self.n == 0:  # Ext only, first round: nothing known yet, use the full head (as the reference)
                 return topk_logprobs(h @ self.weight.T, k, self.row_ids)
             return topk_logprobs(self.packed(h, self.n), k, self.ids)
+
+    def reference_logits(self, h: Tensor) -> Tensor:
+        """The drafter's logits on the active set (all rows before anything is known, as ``_set_topk``)."""
+        self._wait()
+        if self.n == 0:
+            return self.dense_logits(h)
+        ids = self.ids[: self.n]
+        rows = ids if self.t2r is None else self.t2r[ids]
+        return self.dense_logits(h, rows)
 
     # -- telemetry ------------------------------------------------------------------------------
     @property

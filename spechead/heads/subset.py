@@ -12,14 +12,18 @@ drafter can produce are kept; ``fr:N`` then takes the N best of those.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import DraftHead, register_head
+from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head
 from spechead.heads.lowrank import fast_topk_logprobs
 from spechead.heads.tokenmaps import check_token_ids, find_token_map, load_token_map
 from spechead.kernels.linear import PackedLinear
+from spechead.model.lowrank import LowRankLinear
 
 DEFAULT_SIZE = 32768  # FR-Spec's and SGLang's usual list size
 
@@ -66,14 +70,53 @@ class SubsetHead(DraftHead):
         return load_token_map(find_token_map(cls.kind, n, vocab_size, longest=reduced), vocab_size)
 
     @classmethod
-    def from_spec(cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> SubsetHead:
+    def options(cls, arg: str) -> dict[str, Any]:
         """``N`` (the first N ids of the default list for this vocabulary) or a token-map file path."""
+        if not arg:
+            return {}
         if arg.lstrip("-").isdigit():
-            n = int(arg)
-            if not 0 < n <= vocab_size:
+            if int(arg) <= 0:
+                raise SpecheadError(f"{cls.name}:N needs 1 <= N <= the vocabulary size, got {arg}")
+            return {"n": int(arg)}
+        if not Path(arg).is_file():
+            raise SpecheadError(f"{cls.name}: token map not found: {arg}")
+        return {"path": arg}
+
+    @classmethod
+    def from_spec(
+        cls, arg: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+    ) -> SubsetHead:
+        opts = cls.options(arg)
+        if "path" in opts:
+            return cls(weight, row_ids, vocab_size, load_token_map(opts["path"], vocab_size))
+        if "n" in opts:
+            n = opts["n"]
+            if n > vocab_size:
                 raise SpecheadError(f"{cls.name}:N needs 1 <= N <= {vocab_size} (the vocabulary size), got {n}")
             return cls(weight, row_ids, vocab_size, cls.default_list(n, row_ids is not None, vocab_size), n)
-        return cls(weight, row_ids, vocab_size, load_token_map(arg, vocab_size))
+        return cls(weight, row_ids, vocab_size)
+
+    @classmethod
+    def bench_cases(
+        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
+    ) -> list[BenchCase]:
+        """Random ids: a static subset's cost does not depend on which ids it holds."""
+        n = min(settings.subset, vocab_size)
+        ids = torch.randperm(vocab_size, generator=gen)[:n]
+        return [BenchCase(f"{cls.name}:{n}", f"{cls.name}:{n}", cls(weight, None, vocab_size, ids))]
+
+    @classmethod
+    def bench_key(cls, spec: str, keys: list[str]) -> str | None:
+        """The largest list the head benchmark ran (the papers' 32768 of 128k)."""
+        mine = [k for k in keys if k.partition(":")[0] == cls.name and k.partition(":")[2].isdigit()]
+        return max(mine, key=lambda k: int(k.partition(":")[2])) if mine else None
+
+    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
+        e = self.weight.element_size()
+        return self.size * self.weight.shape[1] * e + batch * self.size * e
+
+    def call_flops(self, batch: int, settings: BenchSettings) -> int:
+        return 2 * batch * self.size * self.weight.shape[1]
 
     @property
     def size(self) -> int:
@@ -82,6 +125,12 @@ class SubsetHead(DraftHead):
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
             return fast_topk_logprobs(self.packed(h), k, self.ids)
+
+    def reference_logits(self, h: Tensor) -> Tensor:
+        out = self.dense_logits(h)
+        keep = torch.zeros(self.vocab_size, dtype=torch.bool, device=out.device)
+        keep[self.ids] = True
+        return out.masked_fill(~keep, float("-inf"))
 
     def stats(self) -> dict[str, float]:
         return {"active_size": float(self.size), "dropped_ids": float(self.dropped)}

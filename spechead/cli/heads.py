@@ -1,0 +1,143 @@
+"""``spechead bench-heads``: every registered draft head at a real model's (d, V), random weights, one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from spechead import kernels
+from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, gemm_variants, issue_bars
+from spechead.cli.args import add_threads
+from spechead.errors import SpecheadError
+from spechead.model.lowrank import default_rank
+from spechead.tuning.measure import cpu_name, llc_bytes
+
+
+def _ints(spec: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SpecheadError(f"{what} must be comma-separated integers, got {spec!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise SpecheadError(f"{what} must be positive integers, got {spec!r}")
+    return vals
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}, copy {res['copy_GBps']} GB/s during the run")
+    print("in-cache GEMM GFLOP/s by batch: " + ", ".join(f"{b}: {v}" for b, v in res["gemm_GFLOPs_in_cache"].items()))
+    print(
+        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'x roof':>8}{'GB/s':>8}{'vs full':>9}"
+        f"{'bytes x':>9}"
+    )
+    for name, hres in res["heads"].items():
+        for B, r in hres["batches"].items():
+            print(
+                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}{r['x_roofline']:>8.2f}"
+                f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}"
+                f"{r['bytes_ratio_vs_full']:>9.2f}"
+            )
+    for name, why in res["skipped"].items():
+        print(f"{name:<18} skipped: {why}")
+
+
+def cmd_bench_heads(args) -> int:
+    shapes = [s for s in args.shape.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            raise SpecheadError(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
+    if args.dtype not in DTYPES:
+        raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPES)}")
+    batches = _ints(args.batch, "--batch")
+    if args.repeats < 1 or args.calls_per_round < 1 or args.new_per_round < 0 or args.nodes < 1:
+        raise SpecheadError("--repeats, --calls-per-round and --nodes must be >= 1, --new-per-round >= 0")
+    if args.new_per_round > args.nodes:
+        raise SpecheadError("--new-per-round cannot exceed --nodes (new ids enter through the nodes' top-k)")
+    flush = Flusher(args.hot)
+    meter = CopyMeter()
+    bw = meter.start()
+    load0 = os.getloadavg()
+    report = {
+        "config": {
+            "command": "spechead " + " ".join(sys.argv[1:]),
+            "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "llc_MB": llc_bytes() / 2**20,
+            "torch": torch.__version__,
+            "draft_gemm": f"spechead kernel ({kernels.active_isa()})"
+            if kernels.available()
+            else f"fallback: {kernels.unavailable_reason()}",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
+            "repeats": args.repeats,
+            "k": args.k,
+            "calls_per_round": args.calls_per_round,
+            "new_per_round": args.new_per_round,
+            "tree_nodes": args.nodes,
+            "loadavg_start": [round(x, 2) for x in load0],
+        },
+        "machine": {k: round(v, 2) for k, v in bw.items()},
+        "shapes": {},
+    }
+    print(
+        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}); kernels: {report['config']['draft_gemm']}; "
+        f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads"
+    )
+    for s in shapes:
+        meter.samples.clear()
+        res = bench_shape(s, batches, args.dtype, args, flush, meter)
+        res["shape"] = s
+        report["shapes"][s] = res
+        print_table(res)
+        if args.gemm_variants:
+            d, V = SHAPES[s]
+            r = args.rank or default_rank(d)
+            report["shapes"][s]["gemm_variants"] = gvs = [
+                gemm_variants(d, min(args.gemm_rows, V), batches, DTYPES[args.dtype], args, flush, meter),
+                gemm_variants(r, V, batches, DTYPES[args.dtype], args, flush, meter),  # the low-rank head's W_up
+            ]
+            for gv in gvs:
+                for B, row in gv["batches"].items():
+                    print(f"  GEMM [{gv['rows']}, {gv['d']}] batch {B} (floor {row['floor_ms']:.2f} ms):")
+                    for name, v in row["variants"].items():
+                        print(f"    {name:<42}{v['ms']:>9.2f} ms {v['x_floor']:>7.2f}x floor {v['GFLOPs']:>7.1f} GF/s")
+    report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    bars = issue_bars(report)
+    if bars:
+        report["bars"] = bars
+        for name, b in bars.items():
+            print(f"bar {name}: {b['value']} (want {b['want']}): {'PASS' if b['pass'] else 'FAIL'}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-heads", help="time every draft head at a real model's shape (random weights)")
+    p.add_argument("--shape", default="llama3.1-8b", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
+    p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--k", type=int, default=10, help="top-k per call")
+    p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
+    p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
+    p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
+    p.add_argument("--escape-m", type=int, default=8, help="escape ids per row for the hybrid+esc variant")
+    p.add_argument("--calls-per-round", type=int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)")
+    p.add_argument("--new-per-round", type=int, default=16, help="fresh ids gathered into NanoSpec's set per round")
+    p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
+    p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
+    p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
+    p.add_argument("--gemm-rows", type=int, default=32768, help="rows of the matrix for --gemm-variants")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    add_threads(p)
+    p.set_defaults(func=cmd_bench_heads)
