@@ -5,7 +5,8 @@ import torch
 
 from spechead import kernels
 from spechead.errors import SpecheadError
-from spechead.model.layers import PrepackedLinear, causal_mask, mkl_packing_available
+from spechead.kernels.linear import PackedLinear, mkl_packing_available
+from spechead.model.layers import causal_mask
 from spechead.model.loading import load_target
 
 
@@ -100,7 +101,7 @@ def test_corrupt_weights(tiny_dir, tmp_path):
         load_target(str(bad))
 
 
-def check_prepacked_logits(tiny_dir) -> PrepackedLinear:
+def check_prepacked_logits(tiny_dir) -> PackedLinear:
     """Laying the weights out for few-row products changes speed only: same logits (1e-5), ties kept."""
     target, _ = load_target(str(tiny_dir))
     target.setup_cache(64)
@@ -109,7 +110,7 @@ def check_prepacked_logits(tiny_dir) -> PrepackedLinear:
         ref = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
         assert target.prepack(4)
         got = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
-    assert isinstance(target.lm_head, PrepackedLinear)
+    assert isinstance(target.lm_head, PackedLinear)
     if target.config.tie_word_embeddings:
         assert target.lm_head.weight is target.model.embed_tokens.weight
     for a, b in zip(ref, got, strict=True):

@@ -14,7 +14,7 @@ from spechead.heads.lowrank import LowRankScorer
 from spechead.heads.nanospec import NanoSpecHead
 from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
-from spechead.model.lowrank import gram_factors
+from spechead.model.lowrank import svd_factors
 
 V, D = 200, 16
 
@@ -219,7 +219,7 @@ def test_hybrid_topk_matches_brute_force_over_the_union():
     feed(head, g, rounds=2)
     got = sorted(check_invariants(head, w))
     h = torch.randn(3, D, generator=g)
-    up, down = gram_factors(w, 4)
+    up, down = svd_factors(w, 4)
     score = ((h @ down.T) @ up.T).index_fill(1, torch.tensor(got), float("-inf"))
     esc = score.topk(5, dim=-1).indices
     logp, ids = head.topk(h, 4)  # first call of the round: escape on
@@ -236,7 +236,7 @@ def test_hybrid_topk_matches_brute_force_over_the_union():
 def test_hybrid_escape_add_all_grows_the_set():
     g = torch.Generator().manual_seed(5)
     w = weight()
-    head = HybridHead(w, None, V, w_max=V, m=3, scorer=LowRankScorer(*gram_factors(w, 4)), escape_add="all")
+    head = HybridHead(w, None, V, w_max=V, m=3, scorer=LowRankScorer(*svd_factors(w, 4)), escape_add="all")
     head.begin(torch.tensor([1, 2]), None)
     _, ids = head.topk(torch.randn(1, D, generator=g), 2)
     proposed = set(head._escaped[0].tolist())

@@ -22,19 +22,11 @@ from spechead.model.drafter import load_drafter
 from spechead.model.layers import Rotary
 from spechead.model.loading import load_target
 from spechead.model.tokenizer import load_tokenizer
+from spechead.training.config import TrainConfig, make_drafter
 from spechead.training.data import load_examples
 from spechead.training.features import extract_features, load_chunk
-from spechead.training.train import (
-    ChunkCache,
-    TrainConfig,
-    evaluate,
-    make_batch,
-    make_drafter,
-    plan_packs,
-    run_ttt,
-    split_packs,
-    train,
-)
+from spechead.training.loop import ChunkCache, evaluate, plan_packs, split_packs, train
+from spechead.training.ttt import make_batch, run_ttt
 
 WORDS = ["the cat sat", "on the mat", "a dog ran", "to the park", "i like tea", "we go home"]
 

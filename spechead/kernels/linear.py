@@ -1,10 +1,11 @@
-"""The one few-row linear layer: the blocked-layout kernel where it runs, else F.linear."""
+"""The one few-row linear layer (``PackedLinear``): the blocked-layout kernel where it runs, MKL's packed GEMM
+where only that does, else F.linear; ``BlockedWeight`` is the kernel's weight layout it (and NanoSpec) use."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from spechead import kernels
 from spechead.kernels import LANES
@@ -71,33 +72,92 @@ class BlockedWeight:
         return y if y.shape[1] == n else y[:, :n].contiguous()
 
 
-class PackedLinear:
-    """``x @ W.T`` in float32 for a weight that never changes: a draft head's product, few rows against many.
+def mkl_packing_available() -> bool:
+    """Whether this torch has MKL's packed GEMM (a private op: used only where it exists)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
-    On the kernel's blocked layout wherever a build runs (every x86-64 and, portably, elsewhere), else
-    ``F.linear`` (other devices, tiny matrices, ``SPECHEAD_KERNELS=0``). Either way one copy of W.
+
+class PackedLinear(nn.Module):
+    """``x @ W.T (+ b)`` for few rows against many: every draft head's product and the target's projections.
+
+    Why one layer: a draft head (a handful of rows) and a target's decode step (1 row) or tree verification
+    (4-16 rows) are the same product, which should cost the bytes of W. Library GEMMs are not with so few rows
+    (MKL's sgemm repacks the whole weight on every few-row call: verifying 8 tokens cost 2.1x a decode step on
+    the 2-core CPU, README "Verification cost"). The paths, first that applies:
+
+    * spechead's blocked-layout kernel (``BlockedWeight``) wherever a build runs (every x86-64 and, portably,
+      elsewhere): one copy of W serves any row count, and each output is accumulated in one order whatever the
+      row count, so a token's logits are bitwise the same in a decode step and in a verification;
+    * MKL's packed GEMM at the row counts ``pack`` was given (kernels off: ``SPECHEAD_KERNELS=0``, no compiler;
+      fp32 on a torch that has the op): ~0.7x the time of ``F.linear`` for a 4-16 token verification of
+      the demo target on the 2-core CPU;
+    * ``F.linear`` (other devices, tiny head matrices, longer inputs such as a prefill).
+
+    Two uses, two constructors. ``PackedLinear(weight)``: a frozen head product with a float32 result, the
+    kernel for every call (the plain weight is then dropped: one copy of W either way), ``F.linear`` below
+    ``MIN_NUMEL``. ``PackedLinear.from_linear(linear)``: an inference stand-in for a target's ``nn.Linear``
+    (same parameters, shared so tied weights stay tied; result in the input's dtype), with the kernel for up
+    to ``KERNEL_ROWS`` rows once ``pack`` has laid the weight out (one more copy of it).
     """
 
-    MIN_NUMEL = 1 << 16  # below this the kernel's fixed cost (transposing x, forking threads) outweighs the gain
+    KERNEL_ROWS = 16  # a target projection: longer inputs (prefill) use F.linear
+    MIN_NUMEL = 1 << 16  # a head below this: the kernel's fixed cost (transposing x, forking threads) beats the gain
 
-    def __init__(self, weight: Tensor) -> None:
-        weight = weight.detach()
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, shared: bool = False) -> None:
+        super().__init__()
         self.shape, self.dtype = weight.shape, weight.dtype
-        self.weight: Tensor | None = None
         self.blocked: BlockedWeight | None = None
+        self.packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight
+        self.max_rows = self.KERNEL_ROWS if shared else None  # the kernel serves calls of up to this many rows
+        self.out_dtype = None if shared else torch.float32  # None: the input's dtype
+        if shared:  # a target's projection (``from_linear``)
+            self.weight, self.bias = weight, bias
+            return
+        weight = weight.detach()
+        self.weight: Tensor | None = None
+        self.bias = bias
         if weight.numel() >= self.MIN_NUMEL and kernels.supports(weight):
             self.blocked = BlockedWeight(weight)
-            self.nbytes = self.blocked.nbytes
         else:
             self.weight = weight.contiguous()
-            self.nbytes = weight.numel() * weight.element_size()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        """A target's projection: ``linear``'s own parameters (shared, so tied weights stay tied), laid out for
+        few rows by ``pack``."""
+        return cls(linear.weight, linear.bias, shared=True)
+
+    def pack(self, rows: int) -> None:
+        """Lay the weight out for ``rows``-row products: the kernel's layout (it serves every row count up to
+        ``KERNEL_ROWS``) where a build runs, else MKL's packing at exactly ``rows`` rows (fp32)."""
+        w = self.weight
+        if kernels.supports(w):
+            if self.blocked is None:
+                self.blocked = BlockedWeight(w.detach())
+        elif rows >= 2 and rows not in self.packed and mkl_packing_available() and w.dtype == torch.float32:
+            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
 
     @property
     def kind(self) -> str:
-        """Which path serves the calls: ``kernel`` or ``linear``."""
-        return "kernel" if self.blocked is not None else "linear"
+        """Which path serves the calls it was laid out for: ``kernel``, ``mkl`` or ``linear``."""
+        return "kernel" if self.blocked is not None else "mkl" if self.packed else "linear"
 
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.blocked is not None:
-            return self.blocked(x)
-        return F.linear(x.to(self.dtype), self.weight).float()
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the plain weight (if kept) plus every layout of it."""
+        held = [self.weight, *self.packed.values()] if self.weight is not None else list(self.packed.values())
+        n = sum(t.numel() * t.element_size() for t in held)
+        return n + (self.blocked.nbytes if self.blocked is not None else 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.blocked is not None and (self.max_rows is None or (x.dim() == 2 and x.shape[0] <= self.max_rows)):
+            y = self.blocked(x)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.to(self.out_dtype or x.dtype)
+        # (looked up only when MKL packing is in use: a dict lookup by a traced row count makes
+        # torch.compile specialise on it and recompile for every prompt length)
+        packed = self.packed.get(x.shape[0]) if self.packed and x.dim() == 2 else None
+        if packed is not None:
+            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(self.out_dtype or x.dtype)

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spechead import kernels
-from spechead.kernels.linear import BlockedWeight
 from spechead.model.config import ModelConfig
 
 
@@ -156,53 +155,6 @@ class Attention(nn.Module):
 def causal_mask(t: int, total: int, device: torch.device) -> Tensor:
     """Bool [t, total]: query i (at slot total-t+i) sees every slot up to its own."""
     return torch.ones(t, total, dtype=torch.bool, device=device).tril(total - t)
-
-
-def mkl_packing_available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-class PrepackedLinear(nn.Module):
-    """An inference ``nn.Linear`` whose CPU weight is also laid out for few-row products (decode, verify).
-
-    Why: a decode step (1 row) and a tree verification (4-16 rows) should both cost the bytes of the
-    weights. With MKL's sgemm they did not: with a few rows it repacked the whole weight on every call, so
-    verifying 8 tokens cost 2.1x a decode step on the 2-core CPU (README, "Verification cost"). Wherever a
-    build of spechead's kernels runs (``kernels.py``: AVX-512, AVX2 or portable C++), every call with up to
-    ``KERNEL_ROWS`` rows uses it: one blocked copy of the weight serves any row count, and each output is
-    accumulated in the same order whatever the row count, so a token's logits are the same bitwise in a
-    decode step and in a verification. Without the kernels (``SPECHEAD_KERNELS=0``, no compiler) the weight
-    is packed for MKL at the given row counts (``pack``; a private torch op, used only where it exists).
-    Longer inputs (prefill) use ``F.linear``. Either way the layout costs one more copy of the weight.
-    """
-
-    KERNEL_ROWS = 16
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # shared, so tied weights stay tied
-        self.packed: dict[int, Tensor] = {}
-        self.blocked: BlockedWeight | None = None
-
-    def pack(self, rows: int) -> None:
-        if kernels.supports(self.weight):
-            if self.blocked is None:
-                self.blocked = BlockedWeight(self.weight.detach())
-        elif rows >= 2 and rows not in self.packed and mkl_packing_available() and self.weight.dtype == torch.float32:
-            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
-        if self.blocked is not None and x.shape[0] <= self.KERNEL_ROWS:
-            y = self.blocked(x)
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
-        # (looked up only when MKL packing is in use: a dict lookup by a traced row count makes
-        # torch.compile specialise on it and recompile for every prompt length)
-        packed = self.packed.get(x.shape[0]) if self.packed else None
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
 
 
 class MLP(nn.Module):

@@ -10,13 +10,51 @@ from spechead.errors import SpecheadError
 from spechead.model.config import ModelConfig
 
 
-def load_tokenizer(folder: Path):
+def _folder(spec: str | Path) -> Path | None:
+    """The tokenizer / model folder a spec names: ``demo`` (the demo target's) or a folder; None for a file."""
+    if isinstance(spec, str) and spec == "demo":
+        from spechead.model.loading import resolve_target
+
+        return resolve_target("demo")
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    if path.is_file():
+        return None
+    raise SpecheadError(f"tokenizer not found: {spec} (expected demo, a folder or a tokenizer.json)")
+
+
+def load_tokenizer(spec: str | Path):
+    """The one tokenizer loader: ``demo``, a tokenizer / model folder (AutoTokenizer: its chat template and
+    special tokens) or a bare ``tokenizer.json`` file (a fast tokenizer over it; ``.backend_tokenizer`` is
+    the file's own ``tokenizers.Tokenizer``, unchanged)."""
+    folder = _folder(spec)
+    if folder is None:
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            return PreTrainedTokenizerFast(tokenizer_file=str(spec))
+        except Exception as e:  # the Rust library raises a plain Exception on a bad file
+            raise SpecheadError(f"cannot load tokenizer file {spec}: {e}") from e
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as e:
         raise SpecheadError(f"cannot load tokenizer from {folder}: {e}") from e
+
+
+def model_vocab_size(tok, spec: str | Path) -> int:
+    """The vocabulary size of the model a tokenizer belongs to (its folder's config.json, which may pad the
+    embedding past the tokenizer), else the tokenizer's length."""
+    vocab_size = len(tok)
+    folder = _folder(spec)
+    if folder is not None and (folder / "config.json").is_file():
+        try:
+            vocab_size = max(vocab_size, int(json.loads((folder / "config.json").read_text())["vocab_size"]))
+        except (KeyError, ValueError, json.JSONDecodeError):
+            pass
+    return vocab_size
 
 
 @dataclass
@@ -33,56 +71,20 @@ def encode_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def stop_token_ids(tokenizer, cfg: ModelConfig) -> list[int]:
-    """The tokenizer's end tokens: eos, plus chat-turn terminators such as <|im_end|> and <|eot_id|>."""
-    ids = set()
-    eos = cfg.extra.get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>"):
-        if name in vocab:
-            ids.add(vocab[name])
-    return sorted(ids)
-
-
+# The tokens that end a turn: generation stops on them, and a draft vocabulary always holds them (one that
+# cannot propose the end costs a whole round at the end of every reply).
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "</s>")
 
 
-# -- corpora -----------------------------------------------------------------------------------
-def load_any_tokenizer(spec: str):
-    """``demo`` (the demo target's tokenizer), a tokenizer/model folder or a ``tokenizer.json`` file,
-    with the vocabulary size of its model (config.json) when known, else the tokenizer's length."""
-    from spechead.model.loading import resolve_target
-    from spechead.model.tokenizer import load_tokenizer
-
-    if spec == "demo":
-        folder = resolve_target("demo")
-        tok = load_tokenizer(folder)
-    else:
-        path = Path(spec)
-        if path.is_dir():
-            folder, tok = path, load_tokenizer(path)
-        elif path.is_file():
-            from transformers import PreTrainedTokenizerFast
-
-            try:
-                folder, tok = None, PreTrainedTokenizerFast(tokenizer_file=str(path))
-            except Exception as e:
-                raise SpecheadError(f"cannot load tokenizer file {path}: {e}") from e
-        else:
-            raise SpecheadError(f"tokenizer not found: {spec} (expected demo, a folder or a tokenizer.json)")
-    vocab_size = len(tok)
-    if folder is not None and (folder / "config.json").is_file():
-        try:
-            vocab_size = max(vocab_size, int(json.loads((folder / "config.json").read_text())["vocab_size"]))
-        except (KeyError, ValueError, json.JSONDecodeError):
-            pass
-    return tok, vocab_size
-
-
 def end_token_ids(tok) -> list[int]:
+    """The tokenizer's end tokens, eos first, then ``END_TOKENS`` in their order (those it has)."""
     vocab = tok.get_vocab()
     ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
     return list(dict.fromkeys(ids + [vocab[t] for t in END_TOKENS if t in vocab]))
+
+
+def stop_token_ids(tokenizer, cfg: ModelConfig) -> list[int]:
+    """The ids generation stops on, sorted: the model config's eos ids plus the tokenizer's end tokens."""
+    eos = cfg.extra.get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids | set(end_token_ids(tokenizer)))

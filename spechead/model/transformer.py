@@ -8,15 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from spechead import kernels
+from spechead.kernels.linear import PackedLinear, mkl_packing_available
 from spechead.model.config import ModelConfig
-from spechead.model.layers import (
-    Block,
-    KVCache,
-    PrepackedLinear,
-    RMSNorm,
-    Rotary,
-    mkl_packing_available,
-)
+from spechead.model.layers import Block, KVCache, RMSNorm, Rotary
 
 
 class LlamaBackbone(nn.Module):
@@ -72,7 +66,7 @@ class Transformer(nn.Module):
     def prepack(self, rows: int) -> bool:
         """Lay out every projection for few-row products: spechead's kernels (any row count up to 16) where
         a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
-        layout applies. Idempotent; see ``PrepackedLinear`` for why."""
+        layout applies. Idempotent; see ``kernels.linear.PackedLinear`` for why."""
         w = self.lm_head.weight
         if w.device.type != "cpu":
             return False
@@ -81,9 +75,9 @@ class Transformer(nn.Module):
         for name, child in list(self.named_modules()):
             if isinstance(child, nn.Linear):
                 parent_name, _, attr = name.rpartition(".")
-                child = PrepackedLinear(child)
+                child = PackedLinear.from_linear(child)
                 setattr(self.get_submodule(parent_name), attr, child)
-            if isinstance(child, PrepackedLinear):
+            if isinstance(child, PackedLinear):
                 child.pack(rows)
         return True
 

@@ -1,0 +1,166 @@
+"""``spechead gen-data | extract | train-drafter``: the command line of drafter training (:mod:`spechead.training`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from spechead.cli.args import add_target, add_threads, set_threads
+from spechead.errors import SpecheadError
+from spechead.model.loading import load_target
+from spechead.training.config import TrainConfig
+from spechead.training.data import generate_data
+from spechead.training.extract import extract_to
+from spechead.training.loop import train
+
+
+def cmd_gen_data(args) -> int:
+    n = generate_data(
+        args.target,
+        args.data,
+        Path(args.out),
+        args.batch_size,
+        args.max_new_tokens,
+        args.max_prompt_tokens,
+        args.temperature,
+        args.seed,
+        args.threads,
+        args.stop_after,
+        args.dtype,
+    )
+    print(f"wrote {n} records to {args.out}")
+    return 0
+
+
+def cmd_extract(args) -> int:
+    set_threads(args.threads)
+    try:
+        i, n = (int(x) for x in args.shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise SpecheadError(f"--shard wants I/N with 0 <= I < N, got {args.shard!r}") from None
+    if not args.data:
+        raise SpecheadError("extract needs --data FILES")
+    extract_to(
+        args.target, args.data, Path(args.features), args.arch, args.max_len, args.seed, args.chunk_tokens, (i, n)
+    )
+    print(f"features in {args.features}")
+    return 0
+
+
+def train_config(args) -> TrainConfig:
+    """The run's settings from ``train-drafter``'s options (the rest keep TrainConfig's defaults)."""
+    return TrainConfig(
+        arch=args.arch,
+        head=args.head,
+        lowrank_init=args.lowrank_init,
+        steps_ttt=args.ttt_steps,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        grad_clip=args.grad_clip,
+        pack_tokens=args.pack_tokens,
+        ce_positions=args.ce_positions,
+        ce_weight=args.ce_weight,
+        noise=args.noise,
+        eval_every=args.eval_every,
+        eval_packs=args.eval_packs,
+        save_every=args.save_every,
+        seed=args.seed,
+        freeze_backbone=args.freeze_backbone,
+        all_positions=args.loss_on == "all",
+    )
+
+
+def cmd_train(args) -> int:
+    set_threads(args.threads)
+    out = Path(args.out)
+    features = Path(args.features) if args.features else out / "features"
+    cfg = train_config(args)
+    cfg.rank  # validate the head spec before any work  # noqa: B018
+    if args.data:
+        model = extract_to(args.target, args.data, features, args.arch, args.max_len, args.seed, args.chunk_tokens)
+    elif not (features / "meta.json").is_file():
+        raise SpecheadError(f"no features in {features}: pass --data FILES or --features DIR")
+    else:
+        model, _ = load_target(args.target)
+    metrics = train(model, features, out, cfg, args.init, not args.no_resume, not args.quiet, args.stop_after)
+    if int(os.environ.get("RANK", "0")):
+        return 0
+    if metrics["steps"] < metrics.get("total_steps", metrics["steps"]):
+        print(f"stopped after step {metrics['steps']} of {metrics['total_steps']}; rerun to resume")
+        return 0
+    if "eval" in metrics:
+        ev = metrics["eval"]
+        top1 = " ".join(f"{a:.3f}" for a in ev["top1"])
+        print(f"held-out top-1 agreement per step: {top1} ({ev['positions']} positions)")
+    print(f"drafter saved to {out}")
+    return 0
+
+
+def _features_options(p: argparse.ArgumentParser) -> None:
+    """What ``extract`` and ``train-drafter`` share: the target, the drafter kind and how the data is cut."""
+    add_target(p)
+    p.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"])
+    p.add_argument("--data", nargs="+", default=None, help="chat / text JSONL files (FILE or FILE:N)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--chunk-tokens", type=int, default=65536)
+    p.add_argument("--seed", type=int, default=0)
+    add_threads(p)
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("gen-data", help="regenerate assistant replies with the target (self-distillation data)")
+    add_target(g)
+    g.add_argument("--data", nargs="+", required=True, help="chat JSONL files (FILE or FILE:N)")
+    g.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=512)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    add_threads(g)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights to generate with")
+    g.add_argument("--stop-after", type=int, default=None, help="stop this call after N prompts (resume later)")
+    g.set_defaults(func=cmd_gen_data)
+
+    e = sub.add_parser("extract", help="cache the target features drafters train on")
+    _features_options(e)
+    e.add_argument("--features", required=True)
+    e.add_argument("--shard", default="0/1", help="I/N: extract every N-th chunk starting at I (parallel workers)")
+    e.set_defaults(func=cmd_extract)
+
+    t = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 drafter (optionally a SlimSpec head)")
+    _features_options(t)
+    t.add_argument("--out", required=True)
+    t.add_argument("--features", default=None, help="feature folder (default OUT/features)")
+    t.add_argument("--head", default="full", help="full | lowrank:R")
+    t.add_argument("--lowrank-init", default="svd", choices=["svd", "random"])
+    t.add_argument("--init", default=None, help="start from this drafter folder")
+    t.add_argument("--freeze-backbone", action="store_true", help="post-hoc low-rank head: distil from --init's head")
+    t.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (default 1 eagle2, 7 eagle3)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--max-steps", type=int, default=0)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--pack-tokens", type=int, default=1024)
+    t.add_argument("--ce-positions", type=int, default=256)
+    t.add_argument("--ce-weight", type=float, default=0.1)
+    t.add_argument("--noise", type=float, default=0.0)
+    t.add_argument(
+        "--loss-on",
+        default="assistant",
+        choices=["assistant", "all"],
+        help="positions to train on (held-out metrics always use assistant tokens)",
+    )
+    t.add_argument("--eval-every", type=int, default=0)
+    t.add_argument("--eval-packs", type=int, default=16)
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--no-resume", action="store_true")
+    t.add_argument("--stop-after", type=int, default=None, help="stop this call after N steps (resume later)")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_train)

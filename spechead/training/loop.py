@@ -1,0 +1,287 @@
+"""The training loop over cached features: packs and their seeded order, the learning-rate schedule,
+held-out evaluation, checkpoints and resume, and data-parallel processes (``accelerate launch``).
+
+Everything is seeded per step (the pack order per epoch, each step's sampling generator), so a run
+stopped at a checkpoint and resumed retraces the uninterrupted one. The objective is ``training.ttt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spechead.errors import SpecheadError
+from spechead.model.drafter import Drafter, load_drafter
+from spechead.model.layers import Rotary
+from spechead.model.transformer import Transformer
+from spechead.training.config import TrainConfig, make_drafter
+from spechead.training.features import Chunk, feature_chunks, load_chunk
+from spechead.training.ttt import make_batch, run_ttt
+
+
+# -- data plan --------------------------------------------------------------------------------------
+def plan_packs(lengths: list[list[int]], pack_tokens: int) -> list[tuple[int, int, int]]:
+    """(chunk, first example, end example) groups of at most ``pack_tokens`` tokens, in order."""
+    packs = []
+    for c, ls in enumerate(lengths):
+        lo, size = 0, 0
+        for j, n in enumerate(ls):
+            if j > lo and size + n > pack_tokens:
+                packs.append((c, lo, j))
+                lo, size = j, 0
+            size += n
+        if lo < len(ls):
+            packs.append((c, lo, len(ls)))
+    return packs
+
+
+def split_packs(packs: list[tuple[int, int, int]], n_chunks: int, eval_packs: int):
+    """Held-out: the last ``eval_packs`` packs of the last chunk (at most 10% of all packs, at least one)."""
+    last = [p for p in packs if p[0] == n_chunks - 1]
+    k = min(len(last), max(1, min(eval_packs, len(packs) // 10))) if len(packs) > 1 else 0
+    held = last[len(last) - k :] if k else []
+    return [p for p in packs if p not in held], held
+
+
+def epoch_order(train: list[tuple[int, int, int]], seed: int, epoch: int) -> list[tuple[int, int, int]]:
+    """Chunks in a random order, packs shuffled within each chunk (one chunk in memory at a time)."""
+    rng = random.Random(seed * 1000003 + epoch)
+    by_chunk: dict[int, list] = {}
+    for p in train:
+        by_chunk.setdefault(p[0], []).append(p)
+    order = list(by_chunk)
+    rng.shuffle(order)
+    out = []
+    for c in order:
+        ps = by_chunk[c][:]
+        rng.shuffle(ps)
+        out += ps
+    return out
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class ChunkCache:
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths, self.idx, self.chunk = paths, -1, None
+
+    def get(self, c: int) -> Chunk:
+        if c != self.idx:
+            self.chunk, self.idx = load_chunk(self.paths[c]), c
+        return self.chunk
+
+
+@torch.no_grad()
+def evaluate(drafter, target, cache: ChunkCache, held, cfg: TrainConfig, teacher=None) -> dict[str, Any]:
+    """Top-1 / top-k agreement with the target (or the teacher head) per TTT step on held-out packs."""
+    was = drafter.training
+    drafter.eval()
+    n_steps = cfg.n_steps
+    acc1 = [[0, 0] for _ in range(n_steps)]
+    acck = [[0, 0] for _ in range(n_steps)]
+    ce = [[0.0, 0] for _ in range(n_steps)]
+    for j, (c, lo, hi) in enumerate(held):
+        b = make_batch(cache.get(c), lo, hi)
+        out = run_ttt(drafter, target, b, cfg, torch.Generator().manual_seed(j), teacher, cfg.eval_positions)
+        for i in range(n_steps):
+            acc1[i][0] += out.top1[i][0]
+            acc1[i][1] += out.top1[i][1]
+            acck[i][0] += out.topk[i][0]
+            acck[i][1] += out.topk[i][1]
+            if out.top1[i][1]:
+                ce[i][0] += out.ce[i] * out.top1[i][1]
+                ce[i][1] += out.top1[i][1]
+    drafter.train(was)
+    return {
+        "top1": [a / max(1, n) for a, n in acc1],
+        f"top{cfg.topk}": [a / max(1, n) for a, n in acck],
+        "ce": [a / max(1, n) for a, n in ce],
+        "positions": acc1[0][1],
+    }
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def save_checkpoint(folder: Path, drafter: Drafter, opt, state: dict[str, Any]) -> None:
+    ck = folder / "checkpoint"
+    tmp = folder / "checkpoint.tmp"
+    drafter.save(tmp, dtype=torch.float32)
+    torch.save({"optimizer": opt.state_dict(), **state}, tmp / "train_state.pt")
+    if ck.exists():
+        old = folder / "checkpoint.old"
+        os.replace(ck, old)
+        os.replace(tmp, ck)
+        for p in old.iterdir():
+            p.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, ck)
+
+
+def load_train_state(folder: Path) -> dict[str, Any] | None:
+    path = folder / "checkpoint" / "train_state.pt"
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def param_checksum(drafter: Drafter) -> float:
+    return float(sum(p.detach().double().sum() for p in drafter.parameters() if p.requires_grad))
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+def train(
+    target: Transformer,
+    features: Path,
+    out: Path,
+    cfg: TrainConfig,
+    init: str | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train a drafter on cached features; returns the final metrics (also written to metrics.json).
+
+    ``stop_after`` ends this call after that many steps (checkpointed) without changing the schedule,
+    so a long run can be done in slots; rerunning resumes from the checkpoint.
+    """
+    from tqdm import tqdm
+
+    dist = _distributed()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    paths = feature_chunks(features)
+    meta = json.loads((features / "meta.json").read_text())
+    # An extraction still running (or stopped early) leaves chunks 0..n-1: train on those.
+    n_ready = next((i for i, p in enumerate(paths) if p.name != f"chunk_{i:05d}.pt"), len(paths))
+    paths = paths[:n_ready]
+    meta["lengths"] = meta["lengths"][:n_ready]
+    if meta.get("hidden_size") != target.config.hidden_size or meta.get("vocab_size") != target.config.vocab_size:
+        raise SpecheadError(f"features in {features} were extracted from another target")
+    torch.manual_seed(cfg.seed)
+    ck_state = load_train_state(out) if resume else None
+    drafter, teacher = make_drafter(target, cfg, init)
+    if ck_state is not None:
+        saved = load_drafter(out / "checkpoint", target).float()
+        drafter.load_state_dict(saved.state_dict(), strict=False)
+    drafter.rotary = Rotary(drafter.config.head_dim, 8192, drafter.config.rope_theta, drafter.config.rope_scaling)
+    drafter.layer.self_attn.cache = None
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    packs = plan_packs(meta["lengths"], cfg.pack_tokens)
+    train_packs, held = split_packs(packs, len(paths), cfg.eval_packs)
+    if not train_packs:
+        raise SpecheadError("not enough data to train (every pack was held out)")
+    per_epoch = len(train_packs) // world
+    total = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
+    step, epoch, pos = 0, 0, 0
+    if ck_state is not None:
+        opt.load_state_dict(ck_state["optimizer"])
+        step, epoch, pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "train_log.jsonl").open("a") if rank == 0 else None
+    cache = ChunkCache(paths)
+    bar = tqdm(total=total, initial=step, desc=f"train {cfg.arch}", disable=not progress or rank, dynamic_ncols=True)
+    t0, tokens_seen, ema = time.perf_counter(), 0, None
+    order = epoch_order(train_packs, cfg.seed, epoch)
+    end = total if stop_after is None else min(total, step + stop_after)
+    while step < end:
+        if pos + world > len(order):
+            epoch, pos = epoch + 1, 0
+            order = epoch_order(train_packs, cfg.seed, epoch)
+        c, lo, hi = order[pos + rank]
+        pos += world
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * world + rank)
+        res = run_ttt(drafter, target, make_batch(cache.get(c), lo, hi), cfg, gen, teacher)
+        opt.zero_grad(set_to_none=False)
+        res.loss.backward()
+        if dist:
+            _all_reduce_grads(params, dist, world)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        opt.step()
+        step += 1
+        tokens_seen += res.tokens * world
+        loss = float(res.loss.detach())
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+        rate = tokens_seen / (time.perf_counter() - t0)
+        acc = res.top1[0][0] / max(1, res.top1[0][1])
+        bar.set_postfix(loss=f"{ema:.3f}", top1=f"{acc:.2f}", tok_s=f"{rate:.0f}")
+        bar.update(1)
+        if log and (step % cfg.log_every == 0 or step == total):
+            rec = {"step": step, "epoch": epoch, "loss": loss, "loss_ema": ema, "ce": res.ce, "top1_0": acc}
+            rec.update(lr=lr_at(step - 1, total, cfg), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0))
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0 and held:
+            ev = evaluate(drafter, target, cache, held, cfg, teacher)
+            log.write(json.dumps({"step": step, "eval": ev}) + "\n")
+            log.flush()
+        if rank == 0 and (step % cfg.save_every == 0 or step == end):
+            save_checkpoint(out, drafter, opt, {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)})
+    bar.close()
+    if step < total:  # stopped early on purpose: the checkpoint is the state
+        if log:
+            log.close()
+        return {"steps": step, "total_steps": total}
+    metrics: dict[str, Any] = {"steps": step, "epochs": step * world / max(1, len(train_packs)), "world": world}
+    metrics["param_checksum"] = param_checksum(drafter)
+    if rank == 0:
+        if held:
+            metrics["eval"] = evaluate(drafter, target, cache, held, cfg, teacher)
+        metrics["train_tokens_per_s"] = tokens_seen / max(1e-9, time.perf_counter() - t0)
+        metrics["config"] = asdict(cfg)
+        metrics["features"] = {k: meta.get(k) for k in ("tokens", "targets", "examples", "chunks", "data")}
+        drafter.save(out)  # the deployable bf16 drafter
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        log.close()
+    if dist:
+        (out / f"checksum_rank{rank}.json").write_text(json.dumps({"param_checksum": metrics["param_checksum"]}))
+        dist.barrier()
+    return metrics
+
+
+def _elapsed(t0: float) -> float:
+    return round(time.perf_counter() - t0, 1)
+
+
+def _distributed():
+    """torch.distributed when launched by ``accelerate launch`` (gloo on CPU), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend="gloo")  # initialises the process group from accelerate's environment
+    import torch.distributed as dist
+
+    return dist
+
+
+def _all_reduce_grads(params: list[Tensor], dist, world: int) -> None:
+    """Average gradients over processes with one flat all-reduce."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        if p.grad is None:
+            p.grad = flat[off : off + n].view_as(p).clone()
+        else:
+            p.grad.copy_(flat[off : off + n].view_as(p))
+        off += n
