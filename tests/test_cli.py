@@ -60,6 +60,8 @@ def test_generate_json_matches_ar(tmp_path):
         )
         assert r.returncode == 0, r.stderr
         outs[method] = json.loads(r.stdout)
+        if method == "eagle":  # --tree auto went to the tuner (off in tests: conftest), not the no-tuner default
+            assert "tuning disabled by SPECHEAD_TUNE" in r.stderr and "no tuner attached" not in r.stderr
     assert outs["ar"]["tokens"] == outs["eagle"]["tokens"]
     assert outs["eagle"]["new_tokens"] == len(outs["eagle"]["tokens"]) > 0
 

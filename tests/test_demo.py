@@ -2,7 +2,8 @@
 
 import pytest
 
-from spechead.bench.core import load_suite
+from spechead.bench.suites import load_suite
+from spechead.cli.bench import default_eval_dir
 from spechead.decoding.session import resolve_drafter
 from spechead.decoding.tree import TreeConfig
 
@@ -10,7 +11,7 @@ from spechead.decoding.tree import TreeConfig
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_demo_speculative_is_lossless(demo_session, arch):
     s = demo_session
-    prompts = load_suite("spec-bench", limit=1, categories=["writing", "math_reasoning"])
+    prompts = load_suite("spec-bench", limit=1, categories=["writing", "math_reasoning"], eval_dir=default_eval_dir())
     drafter = resolve_drafter("random", s.target, arch)
     for p in prompts:
         ids = s.encode(p["turns"][0])

@@ -3,35 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
 
+from spechead.cli.args import (
+    add_compile,
+    add_drafter,
+    add_head,
+    add_max_len,
+    add_sampling,
+    add_target,
+    add_threads,
+    add_tree,
+    set_threads,
+)
 from spechead.errors import SpecheadError
-
-# Modules that add their own subcommand through add_cli(subparsers).
-PLUGINS = [
-    "spechead.training.train",
-    "spechead.training.vocab_lists",
-    "spechead.bench.heads",
-    "spechead.serve.app",
-    "spechead.bench.coverage",
-    "spechead.tuning.tune",
-]
 
 DEMO_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Translate to English: Der Hund spielt im Garten mit einem roten Ball.",
 ]
-
-
-def _threads(n: int | None) -> None:
-    if n:
-        import torch
-
-        torch.set_num_threads(n)
 
 
 def _sampling(args):
@@ -51,14 +44,15 @@ def _tree(spec: str | None):
 
 
 def cmd_generate(args) -> int:
-    from spechead.decoding.session import Session, resolve_drafter
+    from spechead.decoding.session import resolve_drafter
+    from spechead.tuning.tune import open_session
 
     if not args.prompt.strip():
         raise SpecheadError("empty prompt")
     if args.method not in ("ar", "eagle"):
         raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
     sampling, tree = _sampling(args), _tree(args.tree)
-    session = Session.open(args.target, args.max_len, compile=args.compile)
+    session = open_session(args.target, args.max_len, compile=args.compile)
     ids = session.encode(args.prompt)
     if args.method == "ar":
         dec = session.decoder()
@@ -108,10 +102,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from spechead.decoding.session import Session, demo_drafter_path, resolve_drafter
+    from spechead.decoding.session import demo_drafter_path, resolve_drafter
+    from spechead.tuning.tune import open_session
 
     t0 = time.perf_counter()
-    session = Session.open("demo", args.max_len)
+    session = open_session("demo", args.max_len)
     drafter = resolve_drafter("demo", session.target)
     which = "shipped demo drafter" if demo_drafter_path() else "random drafter (no demo drafter shipped yet)"
     print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
@@ -144,53 +139,37 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spechead.tuning.tune import AUTO_TREE_HELP
-
     p = argparse.ArgumentParser(prog="spechead", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    def common(sp, drafter=True):
-        sp.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
-        if drafter:
-            sp.add_argument("--drafter", default="demo", help="demo, random or a drafter folder")
-            sp.add_argument(
-                "--arch", default="eagle2", choices=["eagle2", "eagle3"], help="drafter kind for demo/random"
-            )
-            sp.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
-        sp.add_argument("--max-new-tokens", type=int, default=128)
-        sp.add_argument("--max-len", type=int, default=4096, help="context limit (KV cache size)")
-        sp.add_argument("--temperature", type=float, default=0.0)
-        sp.add_argument("--top-p", type=float, default=1.0)
-        sp.add_argument("--top-k", type=int, default=0)
-        sp.add_argument("--seed", type=int, default=None)
-        sp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-        sp.add_argument("--compile", action="store_true", help="torch.compile the target (one-time cost)")
 
     g = sub.add_parser("generate", help="generate a reply to one chat prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", default="eagle", help="ar or eagle")
-    g.add_argument("--head", default="full", help="draft head, e.g. full")
+    add_head(g, help="draft head, e.g. full")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    common(g)
+    add_target(g)
+    add_drafter(g)
+    add_tree(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_len(g)
+    add_sampling(g)
+    add_threads(g)
+    add_compile(g)
     g.set_defaults(func=cmd_generate)
 
-    from spechead.bench.core import add_cli as add_bench
+    from spechead.cli.bench import add_cli as add_bench
 
     add_bench(sub)
 
     d = sub.add_parser("demo", help="the demo: SmolLM2-135M-Instruct, AR vs speculative, outputs compared")
     d.add_argument("--max-new-tokens", type=int, default=64)
-    d.add_argument("--max-len", type=int, default=2048)
-    d.add_argument("--threads", type=int, default=None)
-    d.add_argument("--tree", default="auto", help=AUTO_TREE_HELP)
+    add_max_len(d, 2048)
+    add_threads(d)
+    add_tree(d)
     d.set_defaults(func=cmd_demo)
-    for name in PLUGINS:  # subcommands that live next to their implementation
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
+    from spechead.cli import coverage, heads, serve, train, tune, vocab
+
+    for module in (train, vocab, heads, serve, coverage, tune):  # one file per group of subcommands
         module.add_cli(sub)
     return p
 
@@ -198,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _threads(getattr(args, "threads", None))
+        set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (SpecheadError, ValueError, FileNotFoundError) as e:
         print(f"spechead: error: {e}", file=sys.stderr)

@@ -27,8 +27,8 @@ from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sam
 from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
+from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import Drafter
-from spechead.model.layers import PrepackedLinear
 from spechead.model.transformer import Transformer
 from spechead.timing import Timers
 
@@ -87,10 +87,10 @@ class Decoder:
         # fallback packing serves `max_rows` only, so rounds whose lookup branch is shorter use F.linear)
         rows = self.tree.max_rows if drafter is not None else 1
         target.prepack(rows)
-        if rows > PrepackedLinear.KERNEL_ROWS and kernels.supports(target.lm_head.weight):
+        if rows > PackedLinear.KERNEL_ROWS and kernels.supports(target.lm_head.weight):
             warnings.warn(
                 f"the draft tree {self.tree} verifies up to {rows} tokens; spechead's kernel covers "
-                f"{PrepackedLinear.KERNEL_ROWS}, so larger verifications run on F.linear: slower, and their "
+                f"{PackedLinear.KERNEL_ROWS}, so larger verifications run on F.linear: slower, and their "
                 "logits are not bitwise those of a decode step (a near-tie may then differ from AR)",
                 stacklevel=2,
             )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -25,10 +28,33 @@ DEMO_DRAFTERS = Path(__file__).parent.parent / "drafters"
 # runs for free, and every drafter pass (about 1 ms here) costs more than the tokens it adds. On a GPU,
 # where drafter passes and verification rows are nearly free, the published 10/5/60 applies; pass --tree.
 DEFAULT_TREE = TreeConfig(top_k=2, depth=1, total_tokens=4, lookup=8)
-# The CLI's default tree: what `spechead tune` measured fastest here (spechead/tune.py); DEFAULT_TREE is its
-# fallback where tuning cannot run, and what a decoder gets without a tree.
+# The CLI's default tree: what `spechead tune` measured fastest here (spechead/tuning/); DEFAULT_TREE is its
+# fallback where tuning cannot run, and what a decoder gets without a tree. This layer only names it: a
+# session's ``tree_resolver`` (the tuner's, attached by ``spechead.tuning.tune.open_session``) says what it is.
 AUTO_TREE = "auto"
 GUARD = GuardConfig()  # what the CLI, the server and the benchmark decode with: never slower than AR
+_SAID: set[str] = set()  # notes already printed in this process (every decoder would repeat them)
+
+
+class ResolvedTree(Protocol):
+    """What a tree resolver returns for ``auto`` (``tuning.result.TuneResult`` is one)."""
+
+    tree: TreeConfig
+    ar_step_s: float | None  # the measured AR step time the guard starts from (None: it measures its own)
+
+    def head_spec(self, head: str) -> str:
+        """The head spec to decode with (the tuning may add an option, e.g. NanoSpec's gather mode)."""
+        ...
+
+
+# (session, drafter, head spec) -> what ``auto`` means for them; injected so this layer never knows the tuner
+TreeResolver = Callable[["Session", Drafter, str], ResolvedTree]
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _SAID:
+        _SAID.add(msg)
+        print(msg, file=sys.stderr, flush=True)
 
 
 def demo_drafter_path(arch: str = "eagle2") -> Path | None:
@@ -58,19 +84,26 @@ class Session:
     folder: Path
     tokenizer: object
     max_len: int
+    tree_resolver: TreeResolver | None = None  # what ``tree="auto"`` means; None: DEFAULT_TREE (said once)
 
     @classmethod
     def open(
-        cls, target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32, compile: bool = False
+        cls,
+        target: str = "demo",
+        max_len: int = 4096,
+        dtype: torch.dtype = torch.float32,
+        compile: bool = False,
+        tree_resolver: TreeResolver | None = None,
     ) -> Session:
         """Load a target. ``compile`` wraps its forward in torch.compile (dynamic shapes): on the CPU this
-        removes most per-op overhead of a decode step, at the cost of a one-time compilation."""
+        removes most per-op overhead of a decode step, at the cost of a one-time compilation. User-facing
+        entry points open through ``spechead.tuning.tune.open_session``, which passes the tuner as resolver."""
         model, folder = load_target(target, dtype)
         max_len = min(max_len, model.config.max_position_embeddings)
         model.setup_cache(max_len)
         if compile:
             model.compile(dynamic=True)
-        return cls(model, folder, load_tokenizer(folder), max_len)
+        return cls(model, folder, load_tokenizer(folder), max_len, tree_resolver)
 
     @property
     def stop_ids(self) -> list[int]:
@@ -79,15 +112,8 @@ class Session:
     def draft_head(self, drafter: Drafter, head: str = "full") -> DraftHead:
         """The head ``head`` (a spec such as ``nanospec:1024``) over ``drafter``'s LM head."""
         weight, row_ids = drafter.head_weight(self.target)
-        name, _, arg = head.partition(":")
-        own = getattr(drafter, "low_rank_head", None)
-        if own is not None and name in ("full", "lowrank"):
-            # A drafter trained with a SlimSpec head is decoded with its own factors (lowrank:R re-truncates).
-            from spechead.heads.lowrank import LowRankHead
-
-            rank = int(arg) if arg.isdigit() else None
-            return LowRankHead(own, row_ids, self.target.config.vocab_size, rank)
-        return make_head(head, weight, row_ids, self.target.config.vocab_size)
+        factors = getattr(drafter, "low_rank_head", None)  # a drafter trained with a SlimSpec head
+        return make_head(head, weight, row_ids, self.target.config.vocab_size, factors)
 
     def decoder(
         self,
@@ -96,9 +122,10 @@ class Session:
         tree: TreeConfig | str | None = None,
         guard: GuardConfig | None = GUARD,
     ) -> Decoder:
-        """``tree``: a TreeConfig or spec, None for DEFAULT_TREE, or ``auto``: the tuned tree for this machine,
-        target, drafter, head and thread count (``tune.resolve``: cached, else measured now; DEFAULT_TREE if
-        tuning cannot run), with the tuned NanoSpec gather mode and the measured AR step time for the guard.
+        """``tree``: a TreeConfig or spec, None for DEFAULT_TREE, or ``auto``: what ``tree_resolver`` says (the
+        tuner's: the tuned tree for this machine, target, drafter, head and thread count, cached, else measured
+        now; DEFAULT_TREE if tuning cannot run), with its head spec (the tuned NanoSpec gather mode) and the
+        measured AR step time for the guard; without a resolver, DEFAULT_TREE.
         ``guard``: the never-slower-than-AR policy user-facing decoders run with (None: speculate every round)."""
         ar_step_s = None
         if isinstance(tree, str):
@@ -106,10 +133,13 @@ class Session:
                 tree = TreeConfig.parse(tree.strip())
             elif drafter is None:  # plain AR decoding has no tree to tune
                 tree = None
+            elif self.tree_resolver is None:
+                _say_once(
+                    f"spechead: --tree auto: no tuner attached to this session; using the default tree {DEFAULT_TREE}"
+                )
+                tree = None
             else:
-                from spechead.tuning.tune import resolve
-
-                tuned = resolve(self, drafter, head)
+                tuned = self.tree_resolver(self, drafter, head)
                 tree, head, ar_step_s = tuned.tree, tuned.head_spec(head), tuned.ar_step_s
         draft_head = self.draft_head(drafter, head) if drafter is not None else None
         return Decoder(
