@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spechead.serve.app import TextStream
+from spechead.serve.stream import TextStream
 
 openai = pytest.importorskip("openai")
 
@@ -350,11 +350,12 @@ def test_time_limit(demo_session):
     import uvicorn
 
     from spechead.decoding.session import resolve_drafter
-    from spechead.serve.app import Engine, create_app
+    from spechead.serve.app import create_app
+    from spechead.serve.worker import DecodeWorker
 
-    engine = Engine(demo_session, resolve_drafter("random", demo_session.target), timeout=0.001)
+    worker = DecodeWorker(demo_session, resolve_drafter("random", demo_session.target), timeout=0.001)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(worker), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -365,11 +366,11 @@ def test_time_limit(demo_session):
         assert e.value.status_code == 504 and e.value.body["type"] == "timeout_error"
         with pytest.raises(openai.APIError, match="time limit"):
             stream_text(chat(client, CHAT, max_tokens=24, temperature=0, stream=True))
-        wait_until(lambda: not engine.busy, "the decoder to stop")
+        wait_until(lambda: not worker.busy, "the decoder to stop")
     finally:
         srv.should_exit = True
         thread.join(30)
-        engine.close()
+        worker.close()
 
 
 def test_load_32_requests_8_clients(server, reference):

@@ -1,0 +1,49 @@
+"""``spechead serve``: its options and the command that runs the OpenAI-compatible server under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads, add_tree
+from spechead.serve.app import build_worker, create_app
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted; the worker thread is closed either way so that waiting requests get an answer."""
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    worker = build_worker(args)
+    print(
+        f"[spechead] serving {worker.model_name} (drafter {args.drafter}, head {args.head}) on "
+        f"http://{args.host}:{args.port}/v1  queue {args.queue_size}, time limit {args.timeout:g} s",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        create_app(worker), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        worker.close()
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Add ``serve`` to the ``spechead`` subcommands (listed in ``commands.PLUGINS``)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
+    add_target(s)
+    add_drafter(s)
+    add_head(s, help="default draft head (a request may pick another)")
+    add_tree(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one decodes")
+    s.add_argument("--timeout", type=float, default=300.0, help="per-request time limit in seconds, from arrival")
+    s.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    add_max_len(s)
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: the target's name)")
+    add_threads(s)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)

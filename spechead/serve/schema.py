@@ -1,0 +1,212 @@
+"""Request validation in OpenAI's terms: every bad field is a 400 in OpenAI's error format, found before
+the request takes a place in the queue, so the worker only ever sees requests it can decode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from spechead.decoding.sampling import SamplingConfig
+from spechead.errors import SpecheadError
+from spechead.heads.base import check_head_spec
+
+MAX_BODY_BYTES = 16 << 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.kind = kind or {
+            400: "invalid_request_error",
+            404: "invalid_request_error",
+            413: "invalid_request_error",
+            499: "cancelled",
+            503: "server_overloaded",
+            504: "timeout_error",
+        }.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Params:
+    """A validated generation request."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: list[str]
+    head: str
+    stream: bool
+    include_usage: bool
+
+
+def is_int(x: Any) -> bool:
+    """An int but not a bool (JSON's true would pass ``isinstance(x, int)``)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _get(body: dict, name: str, check: Callable[[Any], bool], what: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:60]}", name)
+    return value
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:  # also rejects NaN
+        bracket = "(" if lo_open else "["
+        raise ApiError(400, f"'{name}' must be in {bracket}{lo}, {hi}], got {value}", name)
+
+
+# Options we do not implement: refuse non-default values rather than silently ignoring them.
+UNSUPPORTED = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": None,
+    "top_logprobs": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+    "functions": None,
+    "suffix": None,
+}
+
+
+def check_unsupported(body: dict) -> None:
+    """A 400 for the first option in ``UNSUPPORTED`` that asks for something other than its default."""
+    for name, default in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or value == default or (not value and default in (None, False)):
+            continue
+        raise ApiError(400, f"'{name}' = {json.dumps(value)[:60]} is not supported by this server", name)
+
+
+def check_body(body: Any, model_name: str) -> dict:
+    """The checks every endpoint shares once the JSON is parsed: an object, our model, streaming options."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", "model")
+    if model != model_name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {model_name!r}", "model", "model_not_found")
+    check_unsupported(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    return body
+
+
+def parse_sampling(body: dict, default_max_tokens: int) -> tuple[int, SamplingConfig, list[str]]:
+    """max_tokens, the sampling config and the stop strings; OpenAI's defaults (temperature 1)."""
+    temperature = float(_get(body, "temperature", _is_number, "a number", 1.0))
+    _in_range("temperature", temperature, 0.0, 2.0)
+    top_p = float(_get(body, "top_p", _is_number, "a number", 1.0))
+    _in_range("top_p", top_p, 0.0, 1.0, lo_open=True)
+    top_k = _get(body, "top_k", is_int, "an integer", 0)
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    if top_k < 0:
+        raise ApiError(400, f"'top_k' must be >= 0 (or -1 for off), got {top_k}", "top_k")
+    seed = _get(body, "seed", is_int, "an integer")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _get(body, name, is_int, "an integer", default_max_tokens)
+    if max_tokens < 1:
+        raise ApiError(400, f"'{name}' must be >= 1, got {max_tokens}", name)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings of up to {MAX_STOP_CHARS} characters", "stop")
+    seed = None if seed is None else seed % 2**63
+    return max_tokens, SamplingConfig(temperature, top_p, top_k, seed), stop
+
+
+def parse_head(body: dict, default: str) -> str:
+    """The draft head: top-level ``head`` or ``spechead: {"head": ...}`` (extra_body in the openai client)."""
+    extra = body.get("spechead")
+    if extra is not None and not isinstance(extra, dict):
+        raise ApiError(400, "'spechead' must be an object", "spechead")
+    head = body.get("head", (extra or {}).get("head"))
+    if head is None:
+        return default
+    if not isinstance(head, str) or not head:
+        raise ApiError(400, "'head' must be a non-empty string such as \"full\"", "head")
+    try:
+        return check_head_spec(head)  # the name and its options, before any decoder is built
+    except SpecheadError as e:
+        raise ApiError(400, str(e), "head") from None
+
+
+def parse_params(body: dict, default_max_tokens: int, default_head: str) -> Params:
+    """Everything but the prompt (``prompt_ids`` empty): checked before tokenizing, which costs more."""
+    max_tokens, sampling, stop = parse_sampling(body, default_max_tokens)
+    head = parse_head(body, default_head)
+    opts = body.get("stream_options") or {}
+    return Params(
+        [],
+        max_tokens,
+        sampling,
+        stop,
+        head,
+        body.get("stream", False),
+        bool(opts.get("include_usage", False)),
+    )
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """Chat turns as ``{"role", "content"}`` with the content as one string (text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        turns.append({"role": m["role"], "content": content})
+    return turns
