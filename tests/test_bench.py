@@ -13,20 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from spechead.bench.core import (
-    MT_BENCH,
-    MethodSpec,
-    Run,
-    add_speedup_model,
-    bench_loop,
-    expand_methods,
-    load_suite,
-    make_report_data,
-    project,
-    run_prompt,
-    write_outputs,
-)
+from spechead.bench.analysis import add_speedup_model
+from spechead.bench.harness import bench_loop, make_report_data, write_outputs
+from spechead.bench.methods import MethodSpec, expand_methods
+from spechead.bench.projection import project
 from spechead.bench.report import nanospec_options, write_report
+from spechead.bench.runners import run_prompt
+from spechead.bench.runs import Run
+from spechead.bench.suites import MT_BENCH, load_suite
+from spechead.cli.bench import default_eval_dir
 from spechead.decoding.sampling import SamplingConfig
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
@@ -251,16 +246,17 @@ def test_method_parsing_and_presets():
 
 
 def test_spec_bench_suite_selection():
-    mt = load_suite("spec-bench", limit=1, categories=["MT"])
+    ev = default_eval_dir()
+    mt = load_suite("spec-bench", limit=1, categories=["MT"], eval_dir=ev)
     assert [p["category"] for p in mt] == list(MT_BENCH) and all(len(p["turns"]) == 2 for p in mt)
-    both = load_suite("spec-bench,humaneval", limit=2, categories=["qa", "code"])
+    both = load_suite("spec-bench,humaneval", limit=2, categories=["qa", "code"], eval_dir=ev)
     assert [p["category"] for p in both] == ["qa", "qa", "code", "code"]
-    mixed = load_suite("spec-bench", limit=3, categories=["writing", "stem", "rag"], limit_mt=1)
+    mixed = load_suite("spec-bench", limit=3, categories=["writing", "stem", "rag"], limit_mt=1, eval_dir=ev)
     assert [p["category"] for p in mixed] == ["writing", "stem", "rag", "rag", "rag"]
 
 
 def test_demo_bench_is_lossless_over_two_turns(demo_session):
-    from spechead.bench.core import run_bench
+    from spechead.bench.harness import run_bench
 
     prompts = [{"id": 81, "category": "writing", "turns": ["Say hello.", "Again, in French."]}]
     out = run_bench(
@@ -300,7 +296,7 @@ def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):
 def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypatch):
     from types import SimpleNamespace
 
-    import spechead.bench.core as bench
+    import spechead.bench.runners as bench
 
     monkeypatch.setattr(bench, "demo_drafter_path", lambda arch="eagle2": None)
     session, cache = SimpleNamespace(target=tiny_target), {}

