@@ -1,4 +1,5 @@
-"""The command line: ``spechead SUBCOMMAND``; every subcommand parses its options here or next to its implementation."""
+"""The command line: ``spechead SUBCOMMAND``. Each subcommand group is one file here (bench, serve, tune, train,
+vocab, heads, coverage; generate and demo in commands); shared options are defined once in args."""
 
 from spechead.cli.commands import main
 
