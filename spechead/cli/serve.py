@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_cli(sub) -> None:
-    """Add ``serve`` to the ``spechead`` subcommands (listed in ``commands.PLUGINS``)."""
+    """Add ``serve`` to the ``spechead`` subcommands."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
     add_target(s)
     add_drafter(s)

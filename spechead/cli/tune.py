@@ -30,7 +30,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def add_cli(sub) -> None:
-    """The ``tune`` subcommand (``cli.commands.PLUGINS``)."""
+    """The ``tune`` subcommand."""
     from spechead.tuning.calibrate import BUDGET_S
 
     t = sub.add_parser("tune", help="measure this machine's costs and the drafter's acceptance; pick the tree")
