@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spechead import kernels
+from spechead import errors, kernels
 from spechead.cache import cache_dir
 from spechead.decoding import session as session_module
 from spechead.decoding.session import DEFAULT_TREE, Session
@@ -18,7 +18,7 @@ from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
-from spechead.tuning import result, tune
+from spechead.tuning import tune
 from spechead.tuning.costs import MAX_ROWS
 from spechead.tuning.predict import candidate_grid
 from spechead.tuning.show import format_show
@@ -45,8 +45,7 @@ def isolated(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(tune, "_MEMO", {})
     monkeypatch.setattr(tune, "_FAILED", {})
-    monkeypatch.setattr(result, "_SAID", set())
-    monkeypatch.setattr(session_module, "_SAID", set())
+    monkeypatch.setattr(errors, "_SAID", set())
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.tree import TreeConfig
-from spechead.errors import SpecheadError
+from spechead.errors import SpecheadError, say_once
 from spechead.heads.base import DraftHead, make_head
 from spechead.model.drafter import Drafter, load_drafter, random_drafter
 from spechead.model.loading import load_target
@@ -33,7 +32,6 @@ DEFAULT_TREE = TreeConfig(top_k=2, depth=1, total_tokens=4, lookup=8)
 # session's ``tree_resolver`` (the tuner's, attached by ``spechead.tuning.tune.open_session``) says what it is.
 AUTO_TREE = "auto"
 GUARD = GuardConfig()  # what the CLI, the server and the benchmark decode with: never slower than AR
-_SAID: set[str] = set()  # notes already printed in this process (every decoder would repeat them)
 
 
 class ResolvedTree(Protocol):
@@ -49,12 +47,6 @@ class ResolvedTree(Protocol):
 
 # (session, drafter, head spec) -> what ``auto`` means for them; injected so this layer never knows the tuner
 TreeResolver = Callable[["Session", Drafter, str], ResolvedTree]
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _SAID:
-        _SAID.add(msg)
-        print(msg, file=sys.stderr, flush=True)
 
 
 def demo_drafter_path(arch: str = "eagle2") -> Path | None:
@@ -134,7 +126,7 @@ class Session:
             elif drafter is None:  # plain AR decoding has no tree to tune
                 tree = None
             elif self.tree_resolver is None:
-                _say_once(
+                say_once(
                     f"spechead: --tree auto: no tuner attached to this session; using the default tree {DEFAULT_TREE}"
                 )
                 tree = None

@@ -115,8 +115,8 @@ class LowRankHead(DraftHead):
 
     def reference_logits(self, h: Tensor) -> Tensor:
         up, down = (f.float() for f in self.scorer.factors)
-        ids = torch.arange(up.shape[0]) if self.row_ids is None else self.row_ids
-        out = torch.full((h.shape[0], self.vocab_size), float("-inf"))
+        ids = torch.arange(up.shape[0], device=h.device) if self.row_ids is None else self.row_ids
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=h.device)
         out[:, ids] = (h.float() @ down.T) @ up.T
         return out
 

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spechead.decoding.tree import TreeConfig
-from spechead.errors import SpecheadError
-
-_SAID: set[str] = set()  # messages already printed in this process
+from spechead.errors import SpecheadError, say_once
 
 
 class TuneError(SpecheadError):
     """Tuning could not run here (the ``auto`` tree then falls back to the default)."""
-
-
-def say_once(msg: str) -> None:
-    """Print to stderr once per process: every decoder resolving ``auto`` must not repeat the same note."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        print(msg, file=sys.stderr, flush=True)
 
 
 def supports_gather(head: str) -> bool:

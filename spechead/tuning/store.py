@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from spechead.cache import cache_dir
-from spechead.tuning.result import say_once
+from spechead.errors import say_once
 
 TUNE_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")

@@ -45,9 +45,9 @@ import torch
 
 from spechead.decoding.session import Session
 from spechead.decoding.tree import TreeConfig
-from spechead.errors import SpecheadError
+from spechead.errors import SpecheadError, say_once
 from spechead.tuning.calibrate import measure
-from spechead.tuning.result import TuneError, TuneResult, fallback_result, say_once
+from spechead.tuning.result import TuneError, TuneResult, fallback_result
 from spechead.tuning.show import summary_line
 from spechead.tuning.store import cache_key, cache_path, read_record, write_record
 
