@@ -92,7 +92,7 @@ def test_bench_cases_run_and_count_their_bytes(name, weight):
     full = make_head("full", weight, None, V)
     for case in cases:
         assert case.spec.partition(":")[0] == name and check_head_spec(case.spec)
-        if case.per_round:
+        if case.head.per_round:
             case.head.begin(torch.arange(settings.w_max), None)
         for batch in (1, 3):
             logp, ids = case.head.topk(torch.randn(batch, D), 4)

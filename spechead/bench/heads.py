@@ -173,7 +173,7 @@ class RoundFeeder:
 def time_case(case: Timed, h: Tensor, k: int, flush: Flusher, args) -> float:
     """Milliseconds per draft call for one repeat (cold caches before every call unless --hot)."""
     head = case.head
-    if not case.case.per_round:
+    if not case.head.per_round:
         flush()
         t0 = time.perf_counter()
         head.topk(h, k)
@@ -204,7 +204,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
     settings = settings_of(args)
     cases, skipped = build_cases(W, V, settings, gen)
     for c in cases:
-        if c.case.per_round:
+        if c.head.per_round:
             topk = getattr(c.head, "ext_topk", 3)
             c.feeder = RoundFeeder(V, c.head.w_max, args.nodes, args.new_per_round, topk, gen)
             c.head.begin(c.feeder.prompt, None)
@@ -213,7 +213,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
     rate = GemmRate(d, dtype)
     for c in cases:
         c.timings = {B: [] for B in batches}
-    evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.case.per_round}
+    evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.head.per_round}
     for B in batches:
         h = torch.randn(B, d, generator=gen).to(dtype)
         for c in cases:  # warm-up
@@ -269,7 +269,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         for key in ("active_size", "rank"):
             if key in stats:
                 out["heads"][c.name][key] = stats[key]
-        if c.case.per_round and "evicted" in stats:  # the steady state really gathered new rows every round
+        if c.head.per_round and "evicted" in stats:  # the steady state really gathered new rows every round
             rounds = len(batches) * (args.repeats + 1)
             out["heads"][c.name]["gathered_per_round"] = (stats["evicted"] - evicted0[c.name]) / rounds
     return out

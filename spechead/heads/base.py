@@ -45,7 +45,6 @@ class BenchCase:
     name: str
     spec: str
     head: DraftHead
-    per_round: bool = False  # stateful head: timed by rounds of observe + calls
     note: str = ""
 
 

@@ -137,7 +137,7 @@ class HybridHead(NanoSpecHead):
         ]:
             head = cls(weight, None, vocab_size, **common, **extra)
             desc = f"{note}: m={head.m}, escape_calls={head.escape_calls}"
-            cases.append(BenchCase(name, spec, head, per_round=True, note=desc))
+            cases.append(BenchCase(name, spec, head, note=desc))
         return cases
 
     def call_bytes(self, batch: int, settings: BenchSettings) -> int:

@@ -141,7 +141,7 @@ class NanoSpecHead(DraftHead):
     ) -> list[BenchCase]:
         w_max = min(settings.w_max, vocab_size)
         head = cls(weight, None, vocab_size, w_max=w_max, policy="lru", gather="sync")
-        return [BenchCase(f"nanospec:{w_max}", f"nanospec:{w_max}", head, per_round=True, note="LRU-full steady state")]
+        return [BenchCase(f"nanospec:{w_max}", f"nanospec:{w_max}", head, note="LRU-full steady state")]
 
     def call_bytes(self, batch: int, settings: BenchSettings) -> int:
         """Per call the W_max packed rows; per round the gather of the new rows and the tree logits observe reads."""
