@@ -50,6 +50,57 @@ def write_tiny_llama(path, vocab: int = 64, layers: int = 8, hidden: int = 32, s
     return path
 
 
+def write_tiny_gemma3(
+    path, vocab: int = 64, layers: int = 6, hidden: int = 32, window: int = 8, seed: int = 0, std: float = 0.2
+):
+    """Save a random Gemma3ForCausalLM (transformers' own class): five sliding-window layers per global one
+    with a window shorter than the test sequences, q/k norms, a query scale that is not head_dim ** -0.5,
+    different RoPE bases per layer type and norm weights away from zero (so 1 + w is tested)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=std,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight"):
+                t.uniform_(-0.5, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_small_vocab_dir(tmp_path_factory):
+    """V=16, a 4-token window: trees cross the window's edge every round and drafts get accepted."""
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_16"), vocab=16, window=4, std=0.5, seed=1)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny"))

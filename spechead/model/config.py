@@ -1,9 +1,18 @@
-"""A decoder's configuration, read from a transformers ``config.json``."""
+"""A decoder's configuration, read from a transformers ``config.json``.
+
+One configuration describes the Llama family (Llama, SmolLM, Qwen2) and Gemma 3's text decoder: the
+fields below the first block say where Gemma 3 differs, so one model implementation serves both.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from spechead.errors import SpecheadError
+
+GEMMA3_TYPES = ("gemma3_text", "gemma3")
 
 
 @dataclass
@@ -16,20 +25,49 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # the global (full-attention) layers' base
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Gemma 3 (defaults are the Llama family's)
+    hidden_act: str = "silu"  # the MLP gate: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (sqrt(d) in Gemma)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
+    sandwich_norms: bool = False  # norms after attention and MLP too (pre_/post_feedforward_layernorm)
+    qk_norm: bool = False  # RMSNorm over each query / key head before RoPE
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    sliding_window: int | None = None  # keys a local layer sees, its own position included
+    layer_types: list[str] | None = None  # per layer: "full_attention" or "sliding_attention"
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers
+    rope_local_scaling: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a transformers ``config.json`` dict (Llama / Qwen2-style keys, old and new rope keys)."""
+        """Read a transformers ``config.json`` dict (Llama / Qwen2-style keys, old and new rope keys, and
+        Gemma 3's text config, whose ``rope_parameters`` may hold one entry per layer type)."""
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        local_rope: dict[str, Any] = {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # one set per layer type
+            local_rope, rope = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None
+        gemma = d.get("model_type") in GEMMA3_TYPES
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(key) is not None:
+                raise SpecheadError(f"unsupported model: {key} = {d[key]} (Gemma 2's soft-capping is not implemented)")
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        layer_types = d.get("layer_types") if d.get("sliding_window") else None
+        if layer_types is not None and len(layer_types) != d["num_hidden_layers"]:
+            raise SpecheadError(f"layer_types has {len(layer_types)} entries for {d['num_hidden_layers']} layers")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise SpecheadError(f"unsupported MLP activation {act!r} (expected silu or gelu_pytorch_tanh)")
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -37,12 +75,28 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=scaling,
+            rope_scaling=_scaling(rope),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
+            hidden_act=act,
+            embed_scale=math.sqrt(d["hidden_size"]) if gemma else 1.0,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            qk_norm=gemma,
+            attn_scale=d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
+            sliding_window=d.get("sliding_window") if layer_types else None,
+            layer_types=layer_types,
+            rope_local_theta=float(local_rope.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            if layer_types
+            else None,
+            rope_local_scaling=_scaling(local_rope),
             extra=d,
         )
+
+
+def _scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    return rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None

@@ -22,19 +22,49 @@ from spechead.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    """RMSNorm; with ``unit_offset`` (Gemma) the stored weight w scales by (1 + w), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def fold_offset(self) -> None:
+        """Inference only: store (1 + w) so a call is one plain RMSNorm (the state dict then holds 1 + w)."""
+        if self.unit_offset:
+            with torch.no_grad():
+                self.weight = nn.Parameter((self.weight.float() + 1.0).to(self.weight.dtype), requires_grad=False)
+            self.unit_offset = False
 
     def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if self.unit_offset:
+            if x.dtype != torch.float32:  # Gemma scales in fp32, then casts
+                xf = x.float()
+                xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+                return (xf * (1.0 + w.float())).to(x.dtype)
+            w = w + 1.0
         if x.dtype == torch.float32:  # a decode step runs 61 of these
-            if x.dim() == 2 and x.device.type == "cpu" and not _needs_grad(x, self.weight) and kernels.available():
-                return kernels.ops().rms_norm(x.contiguous(), self.weight, self.eps)  # one pass, not 6 ops
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            if x.dim() == 2 and x.device.type == "cpu" and not _needs_grad(x, w) and kernels.available():
+                return kernels.ops().rms_norm(x.contiguous(), w, self.eps)  # one pass, not 6 ops
+            return F.rms_norm(x, w.shape, w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return w * xf.to(x.dtype)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding times a constant (sqrt(d) in Gemma, 1 elsewhere), the constant in the table's dtype;
+    the LM head tied to it uses the unscaled table."""
+
+    def __init__(self, num: int, dim: int, scale: float = 1.0) -> None:
+        super().__init__(num, dim)
+        self.scale = scale
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = super().forward(ids)
+        return x if self.scale == 1.0 else x * torch.tensor(self.scale, dtype=x.dtype)
 
 
 def _needs_grad(*ts: Tensor) -> bool:
@@ -109,12 +139,17 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; ``in_features`` differs from the model width in EAGLE-3's drafter."""
+    """Grouped-query attention; ``in_features`` differs from the model width in EAGLE-3's drafter. With
+    ``qk_norm`` (Gemma 3) each query and key head is RMS-normed before RoPE."""
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         super().__init__()
         d_in = in_features or cfg.hidden_size
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.attn_scale
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
@@ -131,13 +166,17 @@ class Attention(nn.Module):
             self.qkv_proj.bias = nn.Parameter(b, requires_grad=False)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None) -> Tensor:
-        """x: [T, d_in] for slots [start, start+T). mask: bool [T, start+T] (True = attend) or None (causal)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None, kv_from: int = 0) -> Tensor:
+        """x: [T, d_in] for slots [start, start+T). mask: bool [T, start+T] (True = attend) or None (causal).
+        ``kv_from``: a sliding-window layer reads only slots [kv_from, start+T) (``mask`` then has that width)."""
         t, hd = x.shape[0], self.head_dim
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q.reshape(t * self.n_heads, hd)).view(t, -1)
+            k = self.k_norm(k.reshape(t * self.n_kv, hd)).view(t, -1)
         qk = apply_rope(torch.cat([q, k], dim=-1).view(t, self.n_heads + self.n_kv, hd), cos[:, None], sin[:, None])
         q, k = qk.transpose(0, 1).split([self.n_heads, self.n_kv], dim=0)
         k, v = k.unsqueeze(0), v.view(t, self.n_kv, hd).transpose(0, 1).unsqueeze(0)
@@ -145,10 +184,12 @@ class Attention(nn.Module):
             k, v = self.cache.write(start, k, v)
         elif start:
             raise RuntimeError("attention without a cache cannot continue from a prefix")
+        if kv_from:
+            k, v = k[:, :, kv_from:], v[:, :, kv_from:]
         if mask is None and t > 1:
             mask = causal_mask(t, k.shape[2], x.device)
         gqa = self.n_kv != self.n_heads
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
         return self.o_proj(out[0].transpose(0, 1).reshape(t, -1))
 
 
@@ -158,8 +199,11 @@ def causal_mask(t: int, total: int, device: torch.device) -> Tensor:
 
 
 class MLP(nn.Module):
+    """Gated MLP: SwiGLU (Llama) or GeGLU with the tanh GELU (Gemma)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -171,26 +215,48 @@ class MLP(nn.Module):
         self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
         del self.gate_proj, self.up_proj
 
+    def act(self, gate: Tensor) -> Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+
     def forward(self, x: Tensor) -> Tensor:
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Residual attention + SwiGLU block. The caller chooses what attention reads (``attn_input``)."""
+    """Residual attention + gated-MLP block. The caller chooses what attention reads (``attn_input``).
+
+    Llama: ``post_attention_layernorm`` is the MLP's input norm. Gemma 3 (``sandwich_norms``): it norms the
+    attention output before the residual add, and ``pre_/post_feedforward_layernorm`` wrap the MLP."""
 
     def __init__(self, cfg: ModelConfig, attn_in: int | None = None, input_norm: bool = True) -> None:
         super().__init__()
+        d, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
         if input_norm:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = RMSNorm(d, eps, off)
         self.self_attn = Attention(cfg, attn_in)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps, off)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, off)
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, attn_input: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None
+        self,
+        x: Tensor,
+        attn_input: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        start: int,
+        mask: Tensor | None,
+        kv_from: int = 0,
     ) -> Tensor:
-        h = x + self.self_attn(attn_input, cos, sin, start, mask)
+        a = self.self_attn(attn_input, cos, sin, start, mask, kv_from)
+        if self.sandwich:
+            h = x + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + a
         return h + self.mlp(self.post_attention_layernorm(h))

