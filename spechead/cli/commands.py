@@ -53,7 +53,7 @@ def cmd_generate(args) -> int:
         raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
     sampling, tree = _sampling(args), _tree(args.tree)
     session = open_session(args.target, args.max_len, compile=args.compile)
-    ids = session.encode(args.prompt)
+    ids = session.encode(args.prompt, raw=args.raw)
     if args.method == "ar":
         dec = session.decoder()
     else:
@@ -142,8 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spechead", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate a reply to one chat prompt")
+    g = sub.add_parser("generate", help="generate a reply to one chat prompt (or continue a text: --raw, base models)")
     g.add_argument("--prompt", required=True)
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="the prompt is plain text to continue, no chat template (a base model without one, e.g. "
+        "gemma3-270m, is always prompted this way)",
+    )
     g.add_argument("--method", default="eagle", help="ar or eagle")
     add_head(g, help="draft head, e.g. full")
     g.add_argument("--json", action="store_true", help="print one JSON object")

@@ -16,7 +16,7 @@ from spechead.errors import SpecheadError, say_once
 from spechead.heads.base import DraftHead, make_head
 from spechead.model.drafter import Drafter, load_drafter, random_drafter
 from spechead.model.loading import load_target
-from spechead.model.tokenizer import encode_chat, load_tokenizer, stop_token_ids
+from spechead.model.tokenizer import encode_text, encode_turns, load_tokenizer, stop_token_ids
 from spechead.model.transformer import Transformer
 
 DEMO_DRAFTERS = Path(__file__).parent.parent / "drafters"
@@ -138,12 +138,16 @@ class Session:
             self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids, guard, ar_step_s
         )
 
-    def encode(self, turns: list[dict[str, str]] | str) -> list[int]:
+    def encode(self, turns: list[dict[str, str]] | str, raw: bool = False) -> list[int]:
+        """A prompt's ids: a string is one user turn; the chat template where the target has one (a base
+        model's turns are written in the completion format); ``raw``: the string as plain text."""
         if isinstance(turns, str):
             if not turns.strip():
                 raise SpecheadError("empty prompt")
+            if raw:
+                return encode_text(self.tokenizer, turns)
             turns = [{"role": "user", "content": turns}]
-        return encode_chat(self.tokenizer, turns)
+        return encode_turns(self.tokenizer, turns)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -71,9 +71,36 @@ def encode_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# A base model has no chat template: its prompt is plain text it continues. The completion format writes a
+# conversation's turns as they are, one blank line apart, nothing added after the last: a one-turn prompt (a
+# HumanEval function head, a Spec-Bench question) is exactly its own text; a second turn follows the reply.
+COMPLETION_SEPARATOR = "\n\n"
+
+
+def completion_text(turns: list[dict[str, str]]) -> str:
+    return COMPLETION_SEPARATOR.join(m["content"] for m in turns)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Plain text as the model reads it: BOS (where the tokenizer has one) then the text's tokens."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_turns(tokenizer, turns: list[dict[str, str]]) -> list[int]:
+    """A conversation as a prompt: the chat template where the tokenizer has one, else the completion format."""
+    if has_chat_template(tokenizer):
+        return encode_chat(tokenizer, turns)
+    return encode_text(tokenizer, completion_text(turns))
+
+
 # The tokens that end a turn: generation stops on them, and a draft vocabulary always holds them (one that
 # cannot propose the end costs a whole round at the end of every reply).
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "</s>")
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "</s>", "<end_of_turn>")
 
 
 def end_token_ids(tok) -> list[int]:

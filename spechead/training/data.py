@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from spechead.errors import SpecheadError
+from spechead.model.tokenizer import completion_text, encode_text, encode_turns, has_chat_template
 
 
 @dataclass
@@ -105,15 +106,23 @@ def encode_chat_example(tokenizer, msgs: list[dict[str, str]], where: str = "rec
 
 
 def encode_record(tokenizer, rec: dict[str, Any], where: str = "record") -> Example:
+    """A record as training ids and targets: ``messages`` (chat: the assistant turns are targets),
+    ``prompt`` + ``completion`` (a base model's continuation, as ``gen-data`` writes it: the completion is
+    the target) or ``text`` (every token after the first)."""
     if "messages" in rec:
         ids, mask = encode_chat_example(tokenizer, rec["messages"], where)
+    elif "completion" in rec:
+        prompt, completion = rec.get("prompt"), rec["completion"]
+        if not isinstance(prompt, str) or not prompt.strip() or not isinstance(completion, str):
+            raise SpecheadError(f"{where}: 'prompt' must be a non-empty string and 'completion' a string")
+        head = encode_text(tokenizer, prompt)
+        tail = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        ids, mask = head + list(tail), [False] * len(head) + [True] * len(tail)
     else:
         text = rec.get("text")
         if not isinstance(text, str) or not text.strip():
             raise SpecheadError(f"{where}: 'text' must be a non-empty string")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if tokenizer.bos_token_id is not None:
-            ids = [tokenizer.bos_token_id] + ids
+        ids = encode_text(tokenizer, text)
         mask = [False] + [True] * (len(ids) - 1)
     return Example(list(ids), mask, str(rec.get("source", "")))
 
@@ -203,6 +212,9 @@ def generate_data(
 ) -> int:
     """Regenerate the first assistant turn of every prompt with the target, appending to ``out``.
 
+    A base model (no chat template) continues the prompt in the completion format
+    (``model.tokenizer.completion_text``) and its records are ``{"prompt", "completion"}``.
+
     Batched (left-padded) generation with transformers; prompts of similar length share a batch
     (fewer pad slots). Resumable: the prompt order is fixed by ``seed`` and the settings, and the
     lines already in ``out`` are skipped (``stop_after`` ends this call early, e.g. to fit a time
@@ -222,7 +234,7 @@ def generate_data(
         torch.set_num_threads(threads)
     folder = resolve_target(target)
     tok = load_tokenizer(folder)
-    require_chat_template(tok)
+    chat = has_chat_template(tok)
     rng = random.Random(seed)
     prompts: list[tuple[str, list[dict[str, str]], list[int]]] = []
     seen: set[tuple[int, ...]] = set()
@@ -235,8 +247,7 @@ def generate_data(
             turns = prompt_of(rec, f"{path} record {i + 1}")
             if turns is None:
                 continue
-            ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = encode_turns(tok, turns)
             if len(ids) > max_prompt_tokens or tuple(ids) in seen:  # AlpacaEval repeats each prompt per model
                 continue
             seen.add(tuple(ids))
@@ -309,7 +320,10 @@ def generate_data(
                 gen_ids = gen_ids[:cut] if cut is not None else gen_ids
                 new_tokens += len(gen_ids)
                 reply = tok.decode(gen_ids, skip_special_tokens=True)
-                rec = {"source": f"gen:{source}", "messages": turns + [{"role": "assistant", "content": reply}]}
+                if chat:
+                    rec = {"source": f"gen:{source}", "messages": turns + [{"role": "assistant", "content": reply}]}
+                else:
+                    rec = {"source": f"gen:{source}", "prompt": completion_text(turns), "completion": reply}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             written += len(batch)
