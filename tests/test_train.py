@@ -212,3 +212,50 @@ def test_two_process_training_with_accelerate(setup, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world"] == 2 and metrics["steps"] == 3
     assert (out / "model.safetensors").is_file()
+
+
+def test_whitened_factors_are_svd_for_isotropic_states_and_better_for_others():
+    from spechead.model.lowrank import svd_factors, whitened_factors
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 24, generator=g, dtype=torch.float64)
+    up, down = svd_factors(w, 6)
+    proj, fdown = whitened_factors(w, 6, torch.eye(24, dtype=torch.float64))
+    torch.testing.assert_close(w @ proj @ fdown, up @ down)
+    # states living mostly in a few directions: the fitted factors spend the rank there
+    mix = torch.randn(24, 24, generator=g, dtype=torch.float64) * torch.logspace(0, -3, 24, dtype=torch.float64)
+    h = torch.randn(4000, 24, generator=g, dtype=torch.float64) @ mix.T
+    moment = h.T @ h / h.shape[0]
+    proj, fdown = whitened_factors(w, 6, moment)
+
+    def err(full_minus_approx):
+        return float(((h @ full_minus_approx.T) ** 2).sum(-1).mean())
+
+    assert err(w - w @ proj @ fdown) < 0.5 * err(w - up @ down)
+
+
+def test_fitted_low_rank_head_round_trips_and_its_twin_is_the_same_drafter(setup, tmp_path):
+    from spechead.model.drafter import LOW_RANK_FILE, random_drafter
+    from spechead.training.lowrank_fit import fit_low_rank_head
+
+    folder, target, _, feats = setup
+    path = random_drafter(target, "eagle2", seed=2).float().save(tmp_path / "e2", dtype=torch.float32)
+    report = fit_low_rank_head(target, path, feats, rank=8, fit_tokens=200, eval_tokens=40)
+    assert (path / LOW_RANK_FILE).is_file() and report["rank"] == 8 and report["fit_states"] == 200
+    assert 0.0 <= report["top1_agreement_svd"] <= 1.0 and 0.0 <= report["top1_agreement_fitted"] <= 1.0
+    loaded = load_drafter(path, target)
+    from safetensors.torch import load_file
+
+    proj = load_file(path / LOW_RANK_FILE)["proj"]  # the stored factors recompute up = W @ proj exactly
+    torch.testing.assert_close(loaded.low_rank_head.up.weight, target.lm_head.weight @ proj)
+    session = Session(target, folder, load_tokenizer(folder), 256)
+    full = session.decoder(loaded, "full", TreeConfig(2, 2, 5))
+    low = session.decoder(loaded, "lowrank", TreeConfig(2, 2, 5))
+    assert not isinstance(full.head, LowRankHead) and isinstance(low.head, LowRankHead)
+    assert low.head.scorer.rank == 8
+    prompt = [0, 5, 9, 11, 7]
+    ref = Decoder(target, max_len=256).generate(prompt, 24, speculative=False).tokens
+    assert low.generate(prompt, 24).tokens == ref == full.generate(prompt, 24).tokens
+    (path / LOW_RANK_FILE).write_bytes(b"garbage")
+    with pytest.raises(SpecheadError, match="corrupt"):
+        load_drafter(path, target)

@@ -39,11 +39,12 @@ from spechead.heads.base import BenchCase, BenchSettings, DraftHead
 from spechead.kernels.linear import BlockedWeight, PackedLinear
 from spechead.tuning.measure import CopyMeter, llc_bytes
 
-SHAPES = {  # (d, V) of the paper's targets, and the demo
+SHAPES = {  # (d, V) of the paper's targets, the demo and Gemma 3 270M (the real target whose head dominates)
     "llama3.1-8b": (4096, 128256),
     "llama3.2-1b": (2048, 128256),
     "qwen3-8b": (4096, 151936),
     "demo": (576, 49152),
+    "gemma3-270m": (640, 262144),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

@@ -15,7 +15,7 @@ from spechead.bench.methods import MethodSpec
 from spechead.bench.runs import Run
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.sampling import SamplingConfig
-from spechead.decoding.session import AUTO_TREE, Session, demo_drafter_path, resolve_drafter
+from spechead.decoding.session import AUTO_TREE, Session, resolve_drafter, shipped_drafter_path
 from spechead.errors import SpecheadError
 from spechead.tuning.tune import resolve, with_tuner
 
@@ -164,19 +164,25 @@ def build_runners(
 
 
 def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str, Any]) -> tuple[Any, str]:
-    """(drafter, where it came from) for eagle2 / eagle3 / lowrank; ``demo`` falls back to a seeded random
-    drafter (tau ~ 1) while no trained demo drafter ships. Without a low-rank demo drafter, ``lowrank``
-    decodes the EAGLE-3 drafter (its twin) with an SVD head, so the nu / rho_tau comparison stays fair."""
+    """(drafter, where it came from) for eagle2 / eagle3 / lowrank; ``demo`` is the drafter shipped for the
+    target (a seeded random one where none ships, tau ~ 1). Where no low-rank drafter ships, ``lowrank``
+    decodes the EAGLE-2 drafter when it carries a fitted low-rank head, else the EAGLE-3 drafter with an SVD
+    head: either way its full-head twin is the same drafter, so the nu / rho_tau comparison stays fair."""
     if kind in cache:
         return cache[kind]
     spec = specs.get(kind, "demo")
     arch = specs.get("arch", "eagle2") if kind == "eagle2" else "eagle3"  # --arch eagle3: 'eagle' on EAGLE-3
-    if spec == "demo" and kind == "lowrank" and demo_drafter_path(LOWRANK_DEMO) is None:
+    target_cfg = session.target.config
+    if spec == "demo" and kind == "lowrank" and shipped_drafter_path(LOWRANK_DEMO, target_cfg) is None:
+        drafter, where = _drafter(session, "eagle2", specs, cache)
+        if getattr(drafter, "low_rank_head", None) is not None:
+            cache[kind] = (drafter, where + " (its fitted low-rank head)")
+            return cache[kind]
         drafter, where = _drafter(session, "eagle3", specs, cache)
         cache[kind] = (drafter, where + " (no low-rank drafter: SVD factors of its head)")
         return cache[kind]
     if spec == "demo":
-        path = demo_drafter_path(LOWRANK_DEMO if kind == "lowrank" else arch)
+        path = shipped_drafter_path(LOWRANK_DEMO if kind == "lowrank" else arch, target_cfg)
         spec = str(path) if path else "random"
     where = spec if spec != "random" else f"random {arch} (seed 0)"
     cache[kind] = (resolve_drafter(spec, session.target, arch), where)

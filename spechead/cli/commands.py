@@ -102,13 +102,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from spechead.decoding.session import demo_drafter_path, resolve_drafter
+    from spechead.decoding.session import resolve_drafter, shipped_drafter_path
     from spechead.tuning.tune import open_session
 
     t0 = time.perf_counter()
     session = open_session("demo", args.max_len)
     drafter = resolve_drafter("demo", session.target)
-    which = "shipped demo drafter" if demo_drafter_path() else "random drafter (no demo drafter shipped yet)"
+    which = "shipped demo drafter" if shipped_drafter_path() else "random drafter (no demo drafter shipped yet)"
     print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
     # plain AR, EAGLE-2 with its full head, and NanoSpec's active-vocabulary head on the same drafter
     ar = session.decoder()

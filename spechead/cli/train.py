@@ -75,6 +75,20 @@ def train_config(args) -> TrainConfig:
     )
 
 
+def cmd_fit_lowrank(args) -> int:
+    import json
+
+    from spechead.training.lowrank_fit import fit_low_rank_head
+
+    set_threads(args.threads)
+    target, _ = load_target(args.target)
+    report = fit_low_rank_head(
+        target, Path(args.drafter), Path(args.features), args.rank, args.fit_tokens, args.eval_tokens
+    )
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_train(args) -> int:
     set_threads(args.threads)
     out = Path(args.out)
@@ -164,3 +178,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--stop-after", type=int, default=None, help="stop this call after N steps (resume later)")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
+
+    f = sub.add_parser("fit-lowrank", help="fit an EAGLE-2 drafter's low-rank head to its own states (no training)")
+    f.add_argument("--drafter", required=True, help="the EAGLE-2 drafter folder; lowrank_head.safetensors goes in it")
+    f.add_argument("--features", required=True, help="feature folder the drafter runs over (held-out first)")
+    f.add_argument("--rank", type=int, default=None, help="rank (default d/8)")
+    f.add_argument("--fit-tokens", type=int, default=65536)
+    f.add_argument("--eval-tokens", type=int, default=2048)
+    add_target(f)
+    add_threads(f)
+    f.set_defaults(func=cmd_fit_lowrank)

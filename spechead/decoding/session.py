@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError, say_once
-from spechead.heads.base import DraftHead, make_head
+from spechead.heads.base import DraftHead, head_class, make_head
+from spechead.model.config import ModelConfig
 from spechead.model.drafter import Drafter, load_drafter, random_drafter
 from spechead.model.loading import load_target
 from spechead.model.tokenizer import encode_text, encode_turns, load_tokenizer, stop_token_ids
@@ -49,15 +51,26 @@ class ResolvedTree(Protocol):
 TreeResolver = Callable[["Session", Drafter, str], ResolvedTree]
 
 
-def demo_drafter_path(arch: str = "eagle2") -> Path | None:
-    path = DEMO_DRAFTERS / arch
-    return path if (path / "config.json").is_file() else None
+def shipped_drafter_path(arch: str = "eagle2", target: ModelConfig | None = None) -> Path | None:
+    """The drafter ``arch`` shipped for ``target``: ``drafters/<arch>`` is the demo target's, ``drafters/<model>/
+    <arch>`` another target's, found by its config's vocabulary and hidden sizes (None: the demo's)."""
+    for path in [DEMO_DRAFTERS / arch, *sorted(DEMO_DRAFTERS.glob(f"*/{arch}"))]:
+        if not (path / "config.json").is_file():
+            continue
+        if target is None:
+            return path
+        cfg = json.loads((path / "config.json").read_text())
+        width = cfg.get("target_hidden_size", cfg.get("hidden_size"))
+        if cfg.get("vocab_size") == target.vocab_size and width == target.hidden_size:
+            return path
+    return None
 
 
 def resolve_drafter(spec: str, target: Transformer, arch: str = "eagle2", seed: int = 0) -> Drafter:
-    """``demo`` (shipped drafter, or a seeded random one while none ships), ``random`` or a folder."""
+    """``demo`` (the drafter shipped for this target, or a seeded random one where none ships), ``random`` or a
+    folder."""
     if spec == "demo":
-        path = demo_drafter_path(arch)
+        path = shipped_drafter_path(arch, target.config)
         spec = str(path) if path else "random"
     if spec == "random" or spec.startswith("random:"):
         arch = spec.split(":", 1)[1] if ":" in spec else arch
@@ -104,7 +117,9 @@ class Session:
     def draft_head(self, drafter: Drafter, head: str = "full") -> DraftHead:
         """The head ``head`` (a spec such as ``nanospec:1024``) over ``drafter``'s LM head."""
         weight, row_ids = drafter.head_weight(self.target)
-        factors = getattr(drafter, "low_rank_head", None)  # a drafter trained with a SlimSpec head
+        factors = getattr(drafter, "low_rank_head", None)  # a drafter trained or fitted with a SlimSpec head
+        if factors is not None and getattr(drafter, "side_low_rank", False) and not head_class(head).takes_side_factors:
+            factors = None  # a fitted head beside the full one: `full`, `nanospec`, ... read the full head
         return make_head(head, weight, row_ids, self.target.config.vocab_size, factors)
 
     def decoder(

@@ -63,6 +63,9 @@ class DraftHead:
     name = "head"
     needs_prompt_logits = False
     per_round = False  # state changes every round (observe): benchmarks time rounds, not single calls
+    # takes a drafter's fitted low-rank head that sits beside a full one (EAGLE-2's lowrank_head.safetensors);
+    # a drafter whose only head is low-rank (EAGLE-3 trained with one) hands its factors to every head
+    takes_side_factors = False
 
     def __init__(self, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> None:
         self.weight = weight

@@ -79,6 +79,8 @@ class LowRankHead(DraftHead):
     The draft distribution is the softmax of the low-rank logits over the full drafter vocabulary.
     """
 
+    takes_side_factors = True
+
     def __init__(
         self,
         weight: Tensor | LowRankLinear,

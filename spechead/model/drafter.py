@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from spechead.errors import SpecheadError
 from spechead.model.config import ModelConfig
 from spechead.model.layers import Block, KVCache, RMSNorm, Rotary
-from spechead.model.loading import read_safetensors
+from spechead.model.loading import read_safetensors, read_safetensors_file
 from spechead.model.transformer import TargetOutput, Transformer
 
 
@@ -121,7 +121,14 @@ def draft_config_from_target(target_cfg: ModelConfig, **overrides: Any) -> dict[
     return d
 
 
+LOW_RANK_FILE = "lowrank_head.safetensors"  # an EAGLE-2 drafter's fitted low-rank head: proj [d, r], down [r, d]
+
+
 class Eagle2Drafter(Drafter):
+    """EAGLE-1/2: logits from the target's own head. It may carry a low-rank head beside it (``LOW_RANK_FILE``,
+    see ``model.lowrank.whitened_factors``): ``up = target head @ proj`` is recomputed at load, so its twin with
+    the full head is the very same drafter."""
+
     arch = "eagle2"
 
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding) -> None:
@@ -129,6 +136,30 @@ class Eagle2Drafter(Drafter):
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=bool(cfg.extra.get("bias", True)))
         self.layers = nn.ModuleList([Block(cfg, input_norm=False)])
+        self._low_rank: list = []  # [(LowRankLinear, proj, down)]: not a submodule, not in the state dict
+
+    side_low_rank = True  # its low-rank head is one more head beside the target's, not its own head
+
+    @property
+    def low_rank_head(self):
+        """The fitted low-rank head (a ``LowRankLinear`` over the target's vocabulary), or None."""
+        return self._low_rank[0][0] if self._low_rank else None
+
+    def attach_low_rank_head(self, target_head: Tensor, proj: Tensor, down: Tensor) -> None:
+        from spechead.model.lowrank import LowRankLinear
+
+        self._low_rank = [(LowRankLinear.from_projection(target_head, proj, down), proj.cpu(), down.cpu())]
+
+    def write_low_rank_head(self, out: Path) -> None:
+        """fp32, two [d, r] matrices: the up-projection is recomputed from them at load."""
+        _, proj, down = self._low_rank[0]
+        save_file({"proj": proj.float().contiguous(), "down": down.float().contiguous()}, out / LOW_RANK_FILE)
+
+    def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        out = super().save(out, dtype)
+        if self._low_rank:
+            self.write_low_rank_head(out)
+        return out
 
     @property
     def layer(self) -> Block:
@@ -290,13 +321,14 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
         cfg_dict = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise SpecheadError(f"invalid drafter config {cfg_path}: {e}") from e
-    if (folder / "pytorch_model.bin").is_file() and not list(folder.glob("*.safetensors")):
+    weight_files = [f for f in folder.glob("*.safetensors") if f.name != LOW_RANK_FILE]
+    if (folder / "pytorch_model.bin").is_file() and not weight_files:
         try:
             state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as e:
             raise SpecheadError(f"corrupt drafter weights {folder / 'pytorch_model.bin'}: {e}") from e
     else:
-        state = read_safetensors(folder)
+        state = read_safetensors(folder, exclude=(LOW_RANK_FILE,))
     arch = detect_arch(state)
     try:
         drafter = build_drafter(arch, cfg_dict, target)
@@ -315,4 +347,12 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
             raise SpecheadError(f"drafter tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
     drafter.load_state_dict(state, strict=False)
     p = target.lm_head.weight
-    return drafter.to(device=p.device, dtype=p.dtype).eval()
+    drafter = drafter.to(device=p.device, dtype=p.dtype).eval()
+    if (folder / LOW_RANK_FILE).is_file():
+        if not isinstance(drafter, Eagle2Drafter):
+            raise SpecheadError(f"{folder / LOW_RANK_FILE}: a fitted low-rank head belongs to an EAGLE-2 drafter")
+        factors = read_safetensors_file(folder / LOW_RANK_FILE)
+        if set(factors) != {"proj", "down"}:
+            raise SpecheadError(f"{folder / LOW_RANK_FILE} must hold exactly 'proj' and 'down', got {sorted(factors)}")
+        drafter.attach_low_rank_head(p, factors["proj"], factors["down"])
+    return drafter

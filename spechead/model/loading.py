@@ -141,19 +141,23 @@ def read_config(folder: Path) -> ModelConfig:
         raise SpecheadError(f"invalid config {path}: {e}") from e
 
 
-def read_safetensors(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+def read_safetensors(folder: Path, device: str | torch.device = "cpu", exclude: tuple[str, ...] = ()):
+    """Every tensor of the folder's ``*.safetensors`` files but those named in ``exclude``."""
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name not in exclude)
     if not files:
         raise SpecheadError(f"no .safetensors weights in {folder}")
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            with safe_open(f, framework="pt", device=str(device)) as fh:
-                for k in fh.keys():
-                    state[k] = fh.get_tensor(k)
-        except Exception as e:  # safetensors raises SafetensorError / OSError on damage
-            raise SpecheadError(f"corrupt weights file {f}: {e}") from e
+        state.update(read_safetensors_file(f, device))
     return state
+
+
+def read_safetensors_file(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(path, framework="pt", device=str(device)) as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # safetensors raises SafetensorError / OSError on damage
+        raise SpecheadError(f"corrupt weights file {path}: {e}") from e
 
 
 def load_target(

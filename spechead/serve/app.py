@@ -16,7 +16,7 @@ from typing import Any
 
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
-from spechead.model.loading import DEMO_NAME
+from spechead.model.loading import target_label
 from spechead.serve.schema import (
     MAX_BODY_BYTES,
     ApiError,
@@ -278,7 +278,6 @@ def create_app(worker: DecodeWorker):
 
 def build_worker(args) -> DecodeWorker:
     """The worker for ``spechead serve``'s options: target, drafter, default head and tree, queue and limits."""
-    from pathlib import Path
 
     from spechead.decoding.session import resolve_drafter
     from spechead.tuning.tune import open_session
@@ -288,5 +287,5 @@ def build_worker(args) -> DecodeWorker:
     tree = args.tree if args.tree is None or args.tree.strip() == "auto" else TreeConfig.parse(args.tree)
     session = open_session(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
-    name = args.served_model_name or (DEMO_NAME if args.target == "demo" else Path(args.target).stem)
+    name = args.served_model_name or target_label(args.target)
     return DecodeWorker(session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name)
