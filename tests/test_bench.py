@@ -253,6 +253,8 @@ def test_spec_bench_suite_selection():
     assert [p["category"] for p in both] == ["qa", "qa", "code", "code"]
     mixed = load_suite("spec-bench", limit=3, categories=["writing", "stem", "rag"], limit_mt=1, eval_dir=ev)
     assert [p["category"] for p in mixed] == ["writing", "stem", "rag", "rag", "rag"]
+    own = load_suite("spec-bench,humaneval:3", limit=1, categories=["qa", "code"], eval_dir=ev)  # a suite's own cap
+    assert [p["category"] for p in own] == ["qa", "code", "code", "code"]
 
 
 def test_demo_bench_is_lossless_over_two_turns(demo_session):

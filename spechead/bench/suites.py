@@ -68,10 +68,15 @@ def load_suite(
 ) -> list[dict[str, Any]]:
     """Records with ``turns`` (and ``category``); ``limit`` applies per category, in file order, and
     ``limit_mt`` (default: ``limit``) to each MT-bench category, so that the MT group can get about as
-    many prompts as the other groups. ``suite`` may list several suites (``spec-bench,humaneval``)."""
+    many prompts as the other groups. ``suite`` may list several suites (``spec-bench,humaneval``), each with
+    its own per-category limit after a colon (``spec-bench,humaneval:3``)."""
     rows: list[dict[str, Any]] = []
     for one in suite.split(","):
-        rows += _load_one(one.strip(), limit, categories, limit if limit_mt is None else limit_mt, eval_dir)
+        name, sep, n = one.strip().rpartition(":")
+        name, own = (name, int(n)) if sep and n.isdigit() else (one.strip(), None)
+        cap = limit if own is None else own
+        cap_mt = own if own is not None else limit if limit_mt is None else limit_mt
+        rows += _load_one(name, cap, categories, cap_mt, eval_dir)
     if not rows:
         raise SpecheadError(f"no prompts selected from {suite}" + (f" (categories {categories})" if categories else ""))
     return rows

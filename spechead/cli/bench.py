@@ -132,7 +132,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_cli(sub) -> None:
     """The ``bench`` subcommand."""
     b = sub.add_parser("bench", help="benchmark methods side by side on a prompt suite")
-    b.add_argument("--suite", default="spec-bench", help="spec-bench, humaneval, a JSONL file with 'turns', or a,b")
+    b.add_argument(
+        "--suite",
+        default="spec-bench",
+        help="spec-bench, humaneval, a JSONL file with 'turns', or a,b; NAME:N caps that suite at N per category",
+    )
     b.add_argument("--limit", type=int, default=None, help="prompts per category")
     b.add_argument("--limit-mt", type=int, default=None, help="prompts per MT-bench category (default: --limit)")
     b.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")

@@ -73,8 +73,11 @@ def assistant_segments(tok, messages: list[dict]) -> list[str]:
 
 
 def record_texts(tok, rec: dict) -> list[str]:
+    """The text of a record the drafter predicts: assistant turns, a base model's completion, or raw text."""
     if isinstance(rec.get("messages"), list):
         return assistant_segments(tok, rec["messages"])
+    if isinstance(rec.get("completion"), str):
+        return [rec["completion"]]
     if isinstance(rec.get("text"), str):
         return [rec["text"]]
     return []
@@ -111,7 +114,7 @@ def count_tokens(tok, files: list[str], vocab_size: int, limit: int | None = Non
         total += flush()
         bar.close()
     if total == 0:
-        raise SpecheadError("no text found: records need 'messages' (chat) or 'text'")
+        raise SpecheadError("no text found: records need 'messages' (chat), 'completion' or 'text'")
     return counts
 
 
