@@ -44,7 +44,15 @@ def cmd_extract(args) -> int:
     if not args.data:
         raise SpecheadError("extract needs --data FILES")
     extract_to(
-        args.target, args.data, Path(args.features), args.arch, args.max_len, args.seed, args.chunk_tokens, (i, n)
+        args.target,
+        args.data,
+        Path(args.features),
+        args.arch,
+        args.max_len,
+        args.seed,
+        args.chunk_tokens,
+        (i, n),
+        args.pack_tokens,
     )
     print(f"features in {args.features}")
     return 0
@@ -145,6 +153,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     _features_options(e)
     e.add_argument("--features", required=True)
     e.add_argument("--shard", default="0/1", help="I/N: extract every N-th chunk starting at I (parallel workers)")
+    e.add_argument(
+        "--pack-tokens",
+        type=int,
+        default=None,
+        help="tokens per target forward (default max(2048, --max-len)); attention over a pack costs its square",
+    )
     e.set_defaults(func=cmd_extract)
 
     t = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 drafter (optionally a SlimSpec head)")

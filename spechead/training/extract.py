@@ -25,13 +25,14 @@ def extract_to(
     seed: int,
     chunk_tokens: int,
     shard: tuple[int, int] = (0, 1),
+    pack_tokens: int | None = None,
 ) -> Transformer:
     """Extract the features of ``data`` (examples cut to the target's context) into ``features``; returns the
     loaded target, so ``train-drafter --data`` trains on it without loading it again."""
     model, folder = load_target(target)
     ctx = model.config.max_position_embeddings
     max_len = min(max_len, ctx)
-    pack_tokens = min(max(2048, max_len), ctx)
+    pack_tokens = min(max(pack_tokens or 2048, max_len), ctx)
     examples = _examples(folder, data, max_len, seed)
     model.setup_cache(pack_tokens)
     meta = {"data": data, "max_len": max_len, "seed": seed, "target": target}

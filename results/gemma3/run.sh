@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Gemma 3 270M (seventh session, CPU A): drafters trained with spechead's own pipeline on text the target
+# generates, then the head-bound study. Run from the repository root with the venv active; generated data and
+# features stay outside the repository ($W). Each step resumes where it stopped.
+set -euo pipefail
+D=../shared/data/train; W=${W:-/work/run15data}; OUT=spechead/drafters/gemma3-270m; R=results/gemma3
+# 1. gen-data: the base model continues prompts of the benchmark's kinds (none of its prompts) in the completion
+#    format, greedy, bf16 weights, batches of 64 sorted by prompt length, 128 new tokens; stopped at 40 min
+timeout 2400 spechead gen-data --target gemma3-270m --dtype bfloat16 --batch-size 64 --max-new-tokens 128 --threads 2 \
+  --seed 15 --out $W/greedy.jsonl \
+  --data $D/chat_sharegpt.jsonl.gz:800 $D/chat_alpacaeval.jsonl.gz:400 $D/chat_gpteacher.jsonl.gz:800 \
+  $D/chat_arenahard.jsonl.gz:300 $D/code_instruct.jsonl.gz:800 $D/math_gsm8k_train.jsonl.gz:600 $D/math_MATH.jsonl.gz:400 \
+  $D/summ_t0_news.jsonl.gz:300 $D/summ_scitldr.jsonl.gz:200 $D/mt_de_en.jsonl.gz:600 $D/qa_nq_open.jsonl.gz:400 \
+  $D/qa_t0_context.jsonl.gz:400 || true
+# 2. features of the fp32 target (final normed state), two one-thread workers, 768-token packs
+for i in 0 1; do
+  spechead extract --target gemma3-270m --threads 1 --arch eagle2 --max-len 768 --pack-tokens 768 \
+    --chunk-tokens 32768 --features $W/feats --shard $i/2 --data $W/greedy.jsonl &
+done; wait
+# 3. EAGLE-2 from scratch: regression on the next feature + 262k-way soft CE on 64 sampled positions per pack
+spechead train-drafter --target gemma3-270m --features $W/feats --arch eagle2 --out $W/eagle2 --threads 2 \
+  --pack-tokens 1024 --loss-on all --lr 1e-3 --warmup 50 --max-steps ${STEPS:-1200} --epochs 4 \
+  --ce-positions 64 --ce-weight 0.5 --noise 0.1 --eval-every 400 --eval-packs 8 --save-every 100 --seed 15
+mkdir -p $OUT/eagle2 && cp $W/eagle2/config.json $W/eagle2/model.safetensors $OUT/eagle2/
+# 4. its low-rank head, rank d/8 = 80, fitted to its own states (two 640 x 80 matrices stored)
+spechead fit-lowrank --target gemma3-270m --drafter $OUT/eagle2 --features $W/feats --threads 2 | tee $R/fit_lowrank.json
+# 5. FR-Spec lists from the target's own text, VocabTrim lists from the drafter's proposals
+spechead vocab freq --tokenizer ~/.cache/spechead/gemma-3-270m-q4_k_m --data $W/greedy.jsonl \
+  --out spechead/drafters/vocab/v262144
+spechead vocab vocabtrim --target gemma3-270m --drafter $OUT/eagle2 --prompts $D/chat_sharegpt.jsonl.gz:100 $D/code_instruct.jsonl.gz:100 --limit 200 \
+  --max-new-tokens 64 --out spechead/drafters/vocab/v262144
