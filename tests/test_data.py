@@ -9,7 +9,7 @@ from conftest import write_tiny_llama
 
 from spechead.errors import SpecheadError
 from spechead.model.tokenizer import load_tokenizer
-from spechead.training.data import encode_chat_example, generate_data, load_examples, read_jsonl
+from spechead.training.data import encode_chat_example, encode_record, generate_data, load_examples, read_jsonl
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:'-+=")
 TEMPLATE = (
@@ -135,3 +135,32 @@ def test_gen_data_is_batched_and_resumable(chat_target, tmp_path):
     assert manifest["records"] == 5 and manifest["settings"]["prompts"] == 5 and manifest["new_tokens"] > 0
     with pytest.raises(SpecheadError, match="other settings"):  # a resumed run must not mix settings
         generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=8)
+
+
+def test_a_base_model_is_prompted_and_distilled_in_the_completion_format(tmp_path):
+    """No chat template: turns are plain text a blank line apart; gen-data writes {prompt, completion} records
+    whose completion (only) is trained on."""
+    from spechead.model.tokenizer import completion_text, encode_text, encode_turns
+
+    folder = write_chat_tokenizer(write_tiny_llama(tmp_path / "base"), template=False)
+    tok = load_tokenizer(folder)
+    turns = [
+        {"role": "user", "content": "ab c"},
+        {"role": "assistant", "content": "de"},
+        {"role": "user", "content": "f"},
+    ]
+    assert completion_text(turns) == "ab c\n\nde\n\nf"
+    plain = tok("ab c", add_special_tokens=False)["input_ids"]
+    assert encode_turns(tok, turns[:1]) == encode_text(tok, "ab c") == [tok.bos_token_id] + plain
+    src = write_jsonl(tmp_path / "p.jsonl", [{"source": "s", "messages": [turns[0], turns[1]]}])
+    out = tmp_path / "gen.jsonl"
+    assert generate_data(str(folder), [src], out, batch_size=1, max_new_tokens=4) == 1
+    rec = json.loads(out.read_text())
+    assert rec["prompt"] == "ab c" and isinstance(rec["completion"], str) and "messages" not in rec
+    rec["completion"] = "dee"  # whatever the tiny model wrote: its tokens are the targets
+    ex = encode_record(tok, rec)
+    head = encode_text(tok, "ab c")
+    assert ex.ids[: len(head)] == head and len(ex.ids) == len(head) + 3
+    assert ex.mask == [False] * len(head) + [True] * 3
+    with pytest.raises(SpecheadError, match="'prompt' must be"):
+        encode_record(tok, {"prompt": " ", "completion": "x"})
