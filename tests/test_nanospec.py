@@ -278,6 +278,32 @@ def test_pinned_ids_are_validated():
         NanoSpecHead(weight(), None, V, w_max=2, pinned=torch.tensor([1, 2]))
 
 
+def test_ctx_rows_reads_the_targets_guesses_at_the_last_prompt_rows_only(target):
+    g = torch.Generator().manual_seed(4)
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=V, sources="ctx", ctx_rows=2)
+    prompt = torch.randint(0, V, (7,), generator=g)
+    plog = torch.randn(7, V, generator=g)
+    head.begin(prompt, plog)  # every row given: the last two are read
+    assert check_invariants(head, w) == set(prompt.tolist()) | set(plog[-2:].topk(3, dim=-1).indices.flatten().tolist())
+    head.begin(prompt, plog[-2:])  # what the decoder's prefill computes for it
+    assert check_invariants(head, w) == set(prompt.tolist()) | set(plog[-2:].topk(3, dim=-1).indices.flatten().tolist())
+    # the decoder asks the prefill for those rows only, and decoding stays lossless
+    drafter = random_drafter(target, "eagle2", seed=0)
+    dw, rows = drafter.head_weight(target)
+    dec = Decoder(
+        target, drafter, make_head("nanospec:ctx_rows=3", dw, rows, target.config.vocab_size), TreeConfig(3, 3, 10), 256
+    )
+    seen = []
+    begin = dec.head.begin
+    dec.head.begin = lambda ids, logits: (seen.append(logits.shape[0]), begin(ids, logits))[1]
+    prompt = torch.randint(0, 64, (12,), generator=g)
+    assert dec.generate(prompt, 20).tokens == dec.generate(prompt, 20, speculative=False).tokens
+    assert seen == [3]
+    with pytest.raises(SpecheadError, match="ctx_rows"):
+        make_head("nanospec:ctx_rows=-1", dw, rows, target.config.vocab_size)
+
+
 def test_prompt_logits_must_cover_exactly_the_prompt():
     head = NanoSpecHead(weight(), None, V, w_max=32)
     with pytest.raises(ValueError):  # stale extra rows (the reference's bug B1) are refused, not used

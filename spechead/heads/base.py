@@ -62,6 +62,7 @@ class DraftHead:
 
     name = "head"
     needs_prompt_logits = False
+    prompt_rows = 0  # with needs_prompt_logits: the target's logits at the last N prompt rows only (0: every row)
     per_round = False  # state changes every round (observe): benchmarks time rounds, not single calls
     # takes a drafter's fitted low-rank head that sits beside a full one (EAGLE-2's lowrank_head.safetensors);
     # a drafter whose only head is low-rank (EAGLE-3 trained with one) hands its factors to every head

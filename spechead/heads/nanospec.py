@@ -65,7 +65,7 @@ class NanoSpecHead(DraftHead):
 
     needs_prompt_logits = True
     per_round = True
-    INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
+    INT_OPTS = {"ext_topk", "ctx_topk", "ctx_rows", "freq"}
     STR_OPTS = {"sources", "policy", "gather"}
 
     def __init__(
@@ -76,6 +76,7 @@ class NanoSpecHead(DraftHead):
         w_max: int | None = None,
         ext_topk: int = 3,
         ctx_topk: int = 3,
+        ctx_rows: int = 0,
         sources: str = "ctx+ext",
         policy: str = "stop",
         gather: str = "auto",
@@ -89,6 +90,8 @@ class NanoSpecHead(DraftHead):
             raise SpecheadError(f"nanospec W_max must be in [1, {vocab_size}] (the vocabulary size), got {w_max}")
         if not (0 <= ext_topk <= 64 and 0 <= ctx_topk <= 64):
             raise SpecheadError(f"ext_topk and ctx_topk must be in [0, 64], got {ext_topk} and {ctx_topk}")
+        if ctx_rows < 0:
+            raise SpecheadError(f"ctx_rows must be >= 0 (0: every prompt row), got {ctx_rows}")
         if sources not in SOURCES:
             raise SpecheadError(f"sources must be one of ctx+ext, ctx, ext; got {sources!r}")
         if policy not in POLICIES:
@@ -99,6 +102,9 @@ class NanoSpecHead(DraftHead):
         self.sources = sources
         self.use_ctx, self.use_ext = SOURCES[sources]
         self.needs_prompt_logits = self.use_ctx and ctx_topk > 0
+        # the prefill then computes the target's logits at these rows only: at V = 262,144 every prompt row
+        # costs the LM head's 168M multiply-adds, more than the rest of the prefill
+        self.prompt_rows = ctx_rows
         dev = weight.device
         self.device = dev
         if gather == "auto":
@@ -199,8 +205,10 @@ class NanoSpecHead(DraftHead):
         if not self.use_ctx:
             return
         prompt_ids = prompt_ids.to(self.device).flatten()
-        if prompt_logits is not None and prompt_logits.shape[0] != prompt_ids.numel():
+        if prompt_logits is not None and prompt_logits.shape[0] > prompt_ids.numel():
             raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {prompt_ids.numel()} prompt ids")
+        if prompt_logits is not None and self.prompt_rows:
+            prompt_logits = prompt_logits[-self.prompt_rows :]  # the last rows (a caller may pass them all)
 
         def ctx() -> None:
             parts = [prompt_ids.flip(0)]  # most recent first
