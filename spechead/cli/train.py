@@ -53,6 +53,7 @@ def cmd_extract(args) -> int:
         args.chunk_tokens,
         (i, n),
         args.pack_tokens,
+        args.dtype,
     )
     print(f"features in {args.features}")
     return 0
@@ -158,6 +159,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="tokens per target forward (default max(2048, --max-len)); attention over a pack costs its square",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the target's weights while extracting (features are stored in bf16 either way)",
     )
     e.set_defaults(func=cmd_extract)
 
