@@ -164,3 +164,5 @@ def test_a_base_model_is_prompted_and_distilled_in_the_completion_format(tmp_pat
     assert ex.mask == [False] * len(head) + [True] * 3
     with pytest.raises(SpecheadError, match="'prompt' must be"):
         encode_record(tok, {"prompt": " ", "completion": "x"})
+    [loaded] = load_examples(tok, [write_jsonl(tmp_path / "g.jsonl", [rec])], min_targets=1)  # what extract reads
+    assert loaded.ids == ex.ids and loaded.mask == ex.mask

@@ -12,9 +12,10 @@ timeout 2400 spechead gen-data --target gemma3-270m --dtype bfloat16 --batch-siz
   $D/chat_arenahard.jsonl.gz:300 $D/code_instruct.jsonl.gz:800 $D/math_gsm8k_train.jsonl.gz:600 $D/math_MATH.jsonl.gz:400 \
   $D/summ_t0_news.jsonl.gz:300 $D/summ_scitldr.jsonl.gz:200 $D/mt_de_en.jsonl.gz:600 $D/qa_nq_open.jsonl.gz:400 \
   $D/qa_t0_context.jsonl.gz:400 || true
-# 2. features of the fp32 target (final normed state), two one-thread workers, 768-token packs
+# 2. features (final normed state) of the target in bf16 (3x faster here; stored in bf16 either way), two
+#    one-thread workers, 768-token packs
 for i in 0 1; do
-  spechead extract --target gemma3-270m --threads 1 --arch eagle2 --max-len 768 --pack-tokens 768 \
+  spechead extract --target gemma3-270m --threads 1 --arch eagle2 --max-len 768 --pack-tokens 768 --dtype bfloat16 \
     --chunk-tokens 32768 --features $W/feats --shard $i/2 --data $W/greedy.jsonl &
 done; wait
 # 3. EAGLE-2 from scratch: regression on the next feature + 262k-way soft CE on 64 sampled positions per pack

@@ -32,7 +32,9 @@ def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...] | None = ("messages", "text")) -> Iterator[dict[str, Any]]:
+def read_jsonl(
+    path: str | Path, keys: tuple[str, ...] | None = ("messages", "completion", "text")
+) -> Iterator[dict[str, Any]]:
     """Records of a .jsonl or .jsonl.gz file; invalid lines are user errors. With ``keys`` each record
     needs one of them and an empty file is an error; ``keys=None`` accepts any object (and no records)."""
     path = Path(path)
