@@ -28,6 +28,7 @@ class MethodSpec:
     tree: TreeConfig | None = None
     drafter: str = "eagle2"  # eagle2 | eagle3 | lowrank
     pld: int = 10
+    twin: str | None = None  # set once drafters load: the family whose drafter ``lowrank`` turned out to decode
 
     @classmethod
     def parse(cls, spec: str, default_tree: TreeConfig | None) -> MethodSpec:
@@ -52,7 +53,10 @@ class MethodSpec:
 
     @property
     def family(self) -> str:
-        """The drafter whose full head this method is compared with: the low-rank drafter is EAGLE-3's twin."""
+        """The drafter whose full head this method is compared with: the low-rank drafter is EAGLE-3's twin,
+        unless it is the EAGLE-2 drafter itself with a fitted low-rank head (``twin``)."""
+        if self.twin is not None:
+            return self.twin
         return "eagle3" if self.drafter in ("eagle3", "lowrank") else "eagle2"
 
     def reference(self, specs: list[MethodSpec]) -> MethodSpec | None:

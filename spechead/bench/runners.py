@@ -129,6 +129,8 @@ def build_runners(
                 info[s.name] = {"kind": "ar", "rss_added_mb": rss_mb() - before}
                 continue
             drafter, where = _drafter(session, s.drafter, drafters, loaded)
+            if s.drafter == "lowrank":  # the EAGLE-2 or EAGLE-3 drafter when no low-rank drafter ships
+                s.twin = next((k for k in ("eagle2", "eagle3") if k in loaded and loaded[k][0] is drafter), None)
             head = s.head
             if s.drafter == "lowrank" and getattr(drafter, "low_rank_head", None) is None and head == "lowrank":
                 d = drafter.head_weight(session.target)[0].shape[1]
@@ -185,5 +187,8 @@ def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str
         path = shipped_drafter_path(LOWRANK_DEMO if kind == "lowrank" else arch, target_cfg)
         spec = str(path) if path else "random"
     where = spec if spec != "random" else f"random {arch} (seed 0)"
-    cache[kind] = (resolve_drafter(spec, session.target, arch), where)
+    key = ("drafter", spec if spec != "random" else f"random:{arch}")  # one object per folder, whatever the kind
+    if key not in cache:
+        cache[key] = resolve_drafter(spec, session.target, arch)
+    cache[kind] = (cache[key], where)
     return cache[kind]
