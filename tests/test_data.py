@@ -150,18 +150,20 @@ def test_a_base_model_is_prompted_and_distilled_in_the_completion_format(tmp_pat
         {"role": "user", "content": "f"},
     ]
     assert completion_text(turns) == "ab c\n\nde\n\nf"
-    plain = tok("ab c", add_special_tokens=False)["input_ids"]
-    assert encode_turns(tok, turns[:1]) == encode_text(tok, "ab c") == [tok.bos_token_id] + plain
+    assert encode_turns(tok, turns[:1]) == encode_text(tok, "ab c") == tok("ab c")["input_ids"]
     src = write_jsonl(tmp_path / "p.jsonl", [{"source": "s", "messages": [turns[0], turns[1]]}])
     out = tmp_path / "gen.jsonl"
     assert generate_data(str(folder), [src], out, batch_size=1, max_new_tokens=4) == 1
     rec = json.loads(out.read_text())
     assert rec["prompt"] == "ab c" and isinstance(rec["completion"], str) and "messages" not in rec
-    rec["completion"] = "dee"  # whatever the tiny model wrote: its tokens are the targets
+    assert "stop" in rec  # the stop token it ended on, or None when the budget ended it
+    rec["completion"], rec["stop"] = "dee", None  # whatever the tiny model wrote: its tokens are the targets
     ex = encode_record(tok, rec)
     head = encode_text(tok, "ab c")
     assert ex.ids[: len(head)] == head and len(ex.ids) == len(head) + 3
     assert ex.mask == [False] * len(head) + [True] * 3
+    ended = encode_record(tok, {**rec, "stop": tok.eos_token_id})  # an ending is a target too
+    assert ended.ids == ex.ids + [tok.eos_token_id] and ended.mask == ex.mask + [True]
     with pytest.raises(SpecheadError, match="'prompt' must be"):
         encode_record(tok, {"prompt": " ", "completion": "x"})
     [loaded] = load_examples(tok, [write_jsonl(tmp_path / "g.jsonl", [rec])], min_targets=1)  # what extract reads

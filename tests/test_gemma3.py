@@ -25,6 +25,42 @@ def test_config_reads_gemma3(tiny_gemma3_dir):
     assert [cfg.is_local(i) for i in range(6)] == [True] * 5 + [False]
 
 
+def test_config_layer_types_and_unsupported_models(tiny_gemma3_dir):
+    import json
+
+    from spechead.errors import SpecheadError
+    from spechead.model.config import ModelConfig
+
+    d = json.loads((tiny_gemma3_dir / "config.json").read_text())
+    older = {k: v for k, v in d.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
+    assert [ModelConfig.from_hf(older).is_local(i) for i in range(6)] == [True, True, False] * 2
+    for bad, match in (
+        ({"model_type": "gemma2"}, "unsupported model type"),
+        ({"final_logit_softcapping": 30.0}, "soft-capping"),
+        ({"layer_types": ["sliding_attention"] * 5}, "layer_types must list 6"),
+        ({"layer_types": ["local"] * 6}, "layer_types must list 6"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+    ):
+        with pytest.raises(SpecheadError, match=match):
+            ModelConfig.from_hf(d | bad)
+
+
+def test_bf16_matches_transformers_bf16(tiny_gemma3_dir):
+    """In bf16 the (1 + w) norms stay unfolded (Gemma rounds once, after scaling in fp32)."""
+    target, _ = load_target(str(tiny_gemma3_dir), dtype=torch.bfloat16)
+    assert all(m.unit_offset for m in target.modules() if hasattr(m, "unit_offset"))
+    target.setup_cache(64)
+    ids = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(5))
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        ours = target(ids, 0).logits.float()
+        ref = ref_model(ids[None]).logits[0].float()
+        exact = hf_model(tiny_gemma3_dir)(ids[None]).logits[0]
+    assert (ours - ref).abs().max() <= 2 * (ref - exact).abs().max() + 1e-2  # as close as transformers' own bf16
+
+
 def test_logits_match_transformers_past_the_window(tiny_gemma3_dir):
     target, _ = load_target(str(tiny_gemma3_dir))
     target.setup_cache(128)
@@ -127,19 +163,22 @@ def gemma3_270m():
 
 
 def test_real_gemma3_270m_matches_transformers(gemma3_270m):
-    """The real model (262,144-token vocabulary, 512-token window): logits and greedy tokens as transformers'."""
+    """The real model (262,144-token vocabulary, 512-token window) on a prompt longer than the window: logits at
+    every row, then greedy tokens decoded past it, as transformers' (whose cache keeps the last 512 keys)."""
     from spechead.model.tokenizer import encode_text, load_tokenizer
 
     target, folder = gemma3_270m
     tok = load_tokenizer(folder)
-    ids = torch.tensor(encode_text(tok, 'def add(a, b):\n    """Return the sum of a and b."""\n'))
-    target.setup_cache(256)
+    text = "Numbers in words: " + ", ".join(f"{i} is number {i}" for i in range(1, 120))
+    ids = torch.tensor(encode_text(tok, text))
+    assert ids.numel() > 600
+    target.setup_cache(1024)
     ref_model = hf_model(folder)
     with torch.inference_mode():
         ours = target(ids, 0).logits
         ref = ref_model(ids[None]).logits[0]
-        mine = Decoder(target, None, None, TreeConfig.chain(1), 256, []).generate(ids, 16, speculative=False).tokens
-        theirs = ref_model.generate(ids[None], max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(ids) :]
+        mine = Decoder(target, None, None, TreeConfig.chain(1), 1024, []).generate(ids, 12, speculative=False).tokens
+        theirs = ref_model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(ids) :]
     assert (ours - ref).abs().max() < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert mine == theirs.tolist()

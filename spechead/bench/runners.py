@@ -129,8 +129,6 @@ def build_runners(
                 info[s.name] = {"kind": "ar", "rss_added_mb": rss_mb() - before}
                 continue
             drafter, where = _drafter(session, s.drafter, drafters, loaded)
-            if s.drafter == "lowrank":  # the EAGLE-2 or EAGLE-3 drafter when no low-rank drafter ships
-                s.twin = next((k for k in ("eagle2", "eagle3") if k in loaded and loaded[k][0] is drafter), None)
             head = s.head
             if s.drafter == "lowrank" and getattr(drafter, "low_rank_head", None) is None and head == "lowrank":
                 d = drafter.head_weight(session.target)[0].shape[1]
@@ -162,6 +160,10 @@ def build_runners(
         except SpecheadError as e:
             skipped[s.name] = str(e)
             log(f"skipping {s.name}: {e}")
+    for s in specs:  # `lowrank` may decode the EAGLE-2 or EAGLE-3 drafter itself: then that is its twin
+        if s.drafter == "lowrank" and "lowrank" in loaded:
+            same = [k for k in ("eagle2", "eagle3") if k in loaded and loaded[k][0] is loaded["lowrank"][0]]
+            s.twin = same[0] if same else None
     return runners, info, skipped
 
 

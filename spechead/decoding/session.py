@@ -117,9 +117,10 @@ class Session:
     def draft_head(self, drafter: Drafter, head: str = "full") -> DraftHead:
         """The head ``head`` (a spec such as ``nanospec:1024``) over ``drafter``'s LM head."""
         weight, row_ids = drafter.head_weight(self.target)
-        factors = getattr(drafter, "low_rank_head", None)  # a drafter trained or fitted with a SlimSpec head
-        if factors is not None and getattr(drafter, "side_low_rank", False) and not head_class(head).takes_side_factors:
+        if getattr(drafter, "side_low_rank", False) and not head_class(head).takes_side_factors:
             factors = None  # a fitted head beside the full one: `full`, `nanospec`, ... read the full head
+        else:
+            factors = getattr(drafter, "low_rank_head", None)  # a drafter trained or fitted with a SlimSpec head
         return make_head(head, weight, row_ids, self.target.config.vocab_size, factors)
 
     def decoder(

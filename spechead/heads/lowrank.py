@@ -46,7 +46,10 @@ class LowRankScorer:
         if isinstance(weight, LowRankLinear):
             up, down = weight.up.weight.detach(), weight.down.weight.detach()
             if r is not None and r != up.shape[1]:
-                up, down = truncate_factors(up, down, r)
+                if getattr(weight, "ranked", False) and r < up.shape[1]:  # fitted factors: the best R come first
+                    up, down = up[:, :r].contiguous(), down[:r].contiguous()
+                else:
+                    up, down = truncate_factors(up, down, r)
             return cls(up, down)
         d = weight.shape[1]
         return cls(*svd_factors(weight, default_rank(d) if r is None else r))

@@ -205,8 +205,10 @@ class NanoSpecHead(DraftHead):
         if not self.use_ctx:
             return
         prompt_ids = prompt_ids.to(self.device).flatten()
-        if prompt_logits is not None and prompt_logits.shape[0] > prompt_ids.numel():
-            raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {prompt_ids.numel()} prompt ids")
+        n = prompt_ids.numel()
+        if prompt_logits is not None and prompt_logits.shape[0] not in (n, min(self.prompt_rows or n, n)):
+            # every prompt row, or (ctx_rows) the last ones; never stale extra rows (the reference's bug B1)
+            raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {n} prompt ids")
         if prompt_logits is not None and self.prompt_rows:
             prompt_logits = prompt_logits[-self.prompt_rows :]  # the last rows (a caller may pass them all)
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from spechead.errors import SpecheadError
 
-GEMMA3_TYPES = ("gemma3_text", "gemma3")
+GEMMA3_TYPES = ("gemma3_text",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -57,14 +58,17 @@ class ModelConfig:
         if "full_attention" in rope or "sliding_attention" in rope:  # one set per layer type
             local_rope, rope = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        gemma = d.get("model_type") in GEMMA3_TYPES
+        kind = d.get("model_type")
+        gemma = kind in GEMMA3_TYPES
+        if kind in ("gemma", "gemma2", "gemma3", "gemma3n"):
+            raise SpecheadError(f"unsupported model type {kind!r}: spechead runs Gemma 3's text decoder (gemma3_text)")
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if d.get(key) is not None:
                 raise SpecheadError(f"unsupported model: {key} = {d[key]} (Gemma 2's soft-capping is not implemented)")
+        if d.get("use_bidirectional_attention"):
+            raise SpecheadError("unsupported model: bidirectional attention (an encoder, not a decoder)")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        layer_types = d.get("layer_types") if d.get("sliding_window") else None
-        if layer_types is not None and len(layer_types) != d["num_hidden_layers"]:
-            raise SpecheadError(f"layer_types has {len(layer_types)} entries for {d['num_hidden_layers']} layers")
+        layer_types = _layer_types(d, gemma)
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise SpecheadError(f"unsupported MLP activation {act!r} (expected silu or gelu_pytorch_tanh)")
@@ -90,12 +94,31 @@ class ModelConfig:
             attn_scale=d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
             sliding_window=d.get("sliding_window") if layer_types else None,
             layer_types=layer_types,
-            rope_local_theta=float(local_rope.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            rope_local_theta=float(local_rope.get("rope_theta", d.get("rope_local_base_freq", theta)))
             if layer_types
             else None,
-            rope_local_scaling=_scaling(local_rope),
+            rope_local_scaling=_scaling(local_rope) if local_rope else _scaling(rope) if layer_types else None,
             extra=d,
         )
+
+
+def _layer_types(d: dict[str, Any], gemma: bool) -> list[str] | None:
+    """Per-layer attention kinds when the model has sliding-window layers, else None. Older Gemma 3 configs give
+    only ``sliding_window_pattern`` (every N-th layer global), as transformers reads them."""
+    n = d["num_hidden_layers"]
+    if not d.get("sliding_window"):
+        return None
+    types = d.get("layer_types")
+    if types is None and gemma:
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if types is None:
+        if d.get("use_sliding_window"):
+            raise SpecheadError("unsupported model: a sliding window without per-layer layer_types")
+        return None  # e.g. Qwen2 configs name a window they do not use
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise SpecheadError(f"layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {types}")
+    return list(types) if "sliding_attention" in types else None
 
 
 def _scaling(rope: dict[str, Any]) -> dict[str, Any] | None:

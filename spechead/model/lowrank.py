@@ -44,31 +44,37 @@ def svd_factors(weight: Tensor, r: int) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def whitened_factors(weight: Tensor, r: int, second_moment: Tensor) -> tuple[Tensor, Tensor]:
+def whitened_factors(weight: Tensor, r: int, second_moment: Tensor, ridge: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Rank-r factors of ``weight`` [V, d] that are best *for the states the head sees*: (proj [d, r],
     down [r, d]) with ``up = weight @ proj``, minimising E ||W h - up down h||^2 over h with second moment
     ``second_moment`` = E[h h^T] [d, d] (plain ``svd_factors`` is the case E[h h^T] = I).
 
-    With S = E[h h^T]^1/2 this is Eckart-Young on W S: its top right singular vectors V_r give
-    W_r = (W S V_r)(V_r^T S^-1). The up-projection stays in the column space of W, so a checkpoint stores two
-    [d, r] matrices and recomputes ``up`` from the target's own head at load (the head's 262k x r factor of
-    Gemma 3 is 84 MB in fp32; the two small ones are 0.4 MB). Both factors carry half of each singular value,
-    as in ``svd_factors``. Precision as there (the d x d problems in fp64); returned in ``weight``'s dtype."""
-    V, d = weight.shape
+    With S = E[h h^T]^1/2 this is Eckart-Young on W S: its top right singular vectors V_r (eigenvectors of
+    S W^T W S, eigenvalues sigma^2) give W_r = (W S V_r)(V_r^T S^-1). The up-projection stays in the column
+    space of W, so a checkpoint stores two [d, r] matrices and recomputes ``up`` from the target's own head at
+    load (Gemma 3's 262,144 x 80 factor is 84 MB in fp32; the two small ones are 0.4 MB). ``up``'s columns
+    have norm sqrt(sigma) (as ``svd_factors``'), ``down``'s rows are sqrt(sigma) V_r^T S^-1; columns come
+    largest sigma first, so the first R of them are the best rank-R head for these states. ``ridge`` (relative
+    to the mean eigenvalue) keeps S^-1 bounded where the states span fewer than d directions. Precision as in
+    ``svd_factors`` (the d x d problems in fp64); returned in ``weight``'s dtype."""
+    d = weight.shape[1]
     check_rank(r, d)
     if second_moment.shape != (d, d):
         raise SpecheadError(f"second moment must be [{d}, {d}], got {tuple(second_moment.shape)}")
     m = second_moment.double()
-    lam, q = torch.linalg.eigh((m + m.T) / 2)
-    lam = lam.clamp_min(lam.max() * 1e-10)
+    m = (m + m.T) / 2
+    scale = float(torch.trace(m)) / d
+    if not scale > 0 or not torch.isfinite(m).all():
+        raise SpecheadError("the states' second moment is zero or not finite: no states to fit a head to")
+    lam, q = torch.linalg.eigh(m + ridge * scale * torch.eye(d, dtype=m.dtype, device=m.device))
+    lam = lam.clamp_min(ridge * scale)
     s, s_inv = (q * lam.sqrt()) @ q.T, (q * lam.rsqrt()) @ q.T
     w = weight.detach().to(torch.float64 if weight.numel() <= 2**24 else torch.float32)  # as in svd_factors
     gram = (w.T @ w).double()
-    v = torch.linalg.eigh(s @ gram @ s)[1][:, -r:].flip(-1)  # [d, r], largest first
-    proj = s @ v
-    sigma = (w @ proj.to(w.dtype)).double().norm(dim=0)  # the singular values of W S
+    sig2, v = torch.linalg.eigh(s @ gram @ s)
+    v, sigma = v[:, -r:].flip(-1), sig2[-r:].flip(-1).clamp_min(0).sqrt()  # [d, r], largest first
     root = sigma.clamp_min(torch.finfo(torch.float64).tiny).sqrt()
-    return (proj / root).to(weight.dtype).contiguous(), (root[:, None] * (v.T @ s_inv)).to(weight.dtype).contiguous()
+    return ((s @ v) / root).to(weight.dtype).contiguous(), (root[:, None] * (v.T @ s_inv)).to(weight.dtype).contiguous()
 
 
 @torch.no_grad()
@@ -155,6 +161,7 @@ class LowRankLinear(nn.Module):
         with torch.no_grad():
             m.up.weight.copy_(weight.float() @ proj.float().to(weight.device))
             m.down.weight.copy_(down)
+        m.ranked = True  # columns best first (whitened_factors): a lower rank is their first R, not an SVD
         return m.requires_grad_(False)
 
     @torch.no_grad()

@@ -82,9 +82,9 @@ def completion_text(turns: list[dict[str, str]]) -> str:
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """Plain text as the model reads it: BOS (where the tokenizer has one) then the text's tokens."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
+    """Plain text as the model reads it: the text's tokens with the tokenizer's own special tokens (Gemma's
+    adds ``<bos>``; SmolLM2's adds none, though it names ``<|im_start|>`` its BOS)."""
+    return list(tokenizer(text)["input_ids"])
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -20,6 +20,7 @@ from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.model.drafter import Drafter
 from spechead.model.loading import DEMO_NAME
+from spechead.model.tokenizer import encode_text
 from spechead.serve.metrics import Metrics
 from spechead.serve.schema import ApiError, Params
 from spechead.serve.stream import TextStream
@@ -112,7 +113,7 @@ class DecodeWorker:
 
     def encode_text(self, text: str) -> list[int]:
         with self._tok_lock:
-            return self.session.tokenizer(text)["input_ids"]
+            return encode_text(self.session.tokenizer, text)  # what `generate --raw` reads too
 
     def decode(self, ids: list[int]) -> str:
         with self._tok_lock:

@@ -81,6 +81,8 @@ def make_drafter(target: Transformer, cfg: TrainConfig, init: str | None = None)
     target.requires_grad_(False)
     if init:
         drafter = load_drafter(init, target)
+        if hasattr(drafter, "detach_low_rank_head"):
+            drafter.detach_low_rank_head()  # fitted to the weights training is about to change
         if drafter.arch != cfg.arch:
             raise SpecheadError(f"--init drafter is {drafter.arch}, not {cfg.arch}")
     else:

@@ -109,8 +109,8 @@ def encode_chat_example(tokenizer, msgs: list[dict[str, str]], where: str = "rec
 
 def encode_record(tokenizer, rec: dict[str, Any], where: str = "record") -> Example:
     """A record as training ids and targets: ``messages`` (chat: the assistant turns are targets),
-    ``prompt`` + ``completion`` (a base model's continuation, as ``gen-data`` writes it: the completion is
-    the target) or ``text`` (every token after the first)."""
+    ``prompt`` + ``completion`` (a base model's continuation, as ``gen-data`` writes it: the completion and
+    the ``stop`` token it ended on, if any, are the targets) or ``text`` (every token after the first)."""
     if "messages" in rec:
         ids, mask = encode_chat_example(tokenizer, rec["messages"], where)
     elif "completion" in rec:
@@ -118,13 +118,17 @@ def encode_record(tokenizer, rec: dict[str, Any], where: str = "record") -> Exam
         if not isinstance(prompt, str) or not prompt.strip() or not isinstance(completion, str):
             raise SpecheadError(f"{where}: 'prompt' must be a non-empty string and 'completion' a string")
         head = encode_text(tokenizer, prompt)
-        tail = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        ids, mask = head + list(tail), [False] * len(head) + [True] * len(tail)
+        tail = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+        if isinstance(rec.get("stop"), int):
+            tail.append(rec["stop"])
+        ids, mask = head + tail, [False] * len(head) + [True] * len(tail)
     else:
         text = rec.get("text")
         if not isinstance(text, str) or not text.strip():
             raise SpecheadError(f"{where}: 'text' must be a non-empty string")
-        ids = encode_text(tokenizer, text)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id] + ids
         mask = [False] + [True] * (len(ids) - 1)
     return Example(list(ids), mask, str(rec.get("source", "")))
 
@@ -324,8 +328,10 @@ def generate_data(
                 reply = tok.decode(gen_ids, skip_special_tokens=True)
                 if chat:
                     rec = {"source": f"gen:{source}", "messages": turns + [{"role": "assistant", "content": reply}]}
-                else:
-                    rec = {"source": f"gen:{source}", "prompt": completion_text(turns), "completion": reply}
+                else:  # the stop token it ended on (None: the budget ended it): the drafter must learn it too
+                    stop = res[j, width + cut].item() if cut is not None else None
+                    text = completion_text(turns)
+                    rec = {"source": f"gen:{source}", "prompt": text, "completion": reply, "stop": stop}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             written += len(batch)

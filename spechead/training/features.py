@@ -132,6 +132,9 @@ def extract_features(
         old = json.loads(meta_path.read_text())
         if {k: old.get(k) for k in ("tokens", "chunks", "aux")} != {k: info[k] for k in ("tokens", "chunks", "aux")}:
             raise SpecheadError(f"{out} holds features of other data; choose another --features folder")
+        for k in ("target", "target_dtype"):  # fp32 and bf16 chunks, or two targets', must not mix
+            if k in old and k in info and old[k] != info[k]:
+                raise SpecheadError(f"{out} holds features with {k} {old[k]!r}, not {info[k]!r}; use another folder")
     meta_path.write_text(json.dumps(info, indent=2))
     paths = [out / f"chunk_{i:05d}.pt" for i in range(len(chunks))]
     todo = [i for i, p in enumerate(paths) if not p.is_file() and i % shard[1] == shard[0]]

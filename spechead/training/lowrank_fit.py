@@ -82,6 +82,8 @@ def fit_low_rank_head(
     if states.shape[0] <= eval_tokens:
         raise SpecheadError(f"only {states.shape[0]} drafter states in {features}; need more than {eval_tokens}")
     held, fit = states[:eval_tokens], states[eval_tokens:]
+    if fit.shape[0] < 4 * d:
+        raise SpecheadError(f"{fit.shape[0]} drafter states fit a rank-{r} head poorly; give at least {4 * d}")
     moment = (fit.double().T @ fit.double()) / fit.shape[0]
     proj, down = whitened_factors(w, r, moment)
     up = w @ proj
