@@ -90,7 +90,7 @@ def _expand(spec: str) -> list[str]:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("freq", help="FR-Spec: frequency-ranked token lists from a corpus (SGLang token-map format)")
-    f.add_argument("--tokenizer", default="demo", help="demo, a tokenizer/model folder or a tokenizer.json")
+    f.add_argument("--tokenizer", default="demo", help="demo, gemma3-270m, a model folder or a tokenizer.json")
     f.add_argument("--data", nargs="+", required=True, help="JSONL(.gz) files or folders: chat 'messages' or 'text'")
     f.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
     f.add_argument("--out", default=None, help="output folder (default: where fr:N looks)")

@@ -11,17 +11,18 @@ from spechead.model.config import ModelConfig
 
 
 def _folder(spec: str | Path) -> Path | None:
-    """The tokenizer / model folder a spec names: ``demo`` (the demo target's) or a folder; None for a file."""
-    if isinstance(spec, str) and spec == "demo":
-        from spechead.model.loading import resolve_target
+    """The tokenizer / model folder a spec names: a packaged target's (``demo``, ``gemma3-270m``) or a folder;
+    None for a file."""
+    from spechead.model.loading import PACKAGED_TARGETS, resolve_target
 
-        return resolve_target("demo")
+    if isinstance(spec, str) and spec in PACKAGED_TARGETS:
+        return resolve_target(spec)
     path = Path(spec)
     if path.is_dir():
         return path
     if path.is_file():
         return None
-    raise SpecheadError(f"tokenizer not found: {spec} (expected demo, a folder or a tokenizer.json)")
+    raise SpecheadError(f"tokenizer not found: {spec} (expected demo, gemma3-270m, a folder or a tokenizer.json)")
 
 
 def load_tokenizer(spec: str | Path):
