@@ -20,13 +20,14 @@ for i in 0 1; do
 done; wait
 # 3. EAGLE-2 from scratch: regression on the next feature + 262k-way soft CE on 64 sampled positions per pack
 spechead train-drafter --target gemma3-270m --features $W/feats --arch eagle2 --out $W/eagle2 --threads 2 \
-  --pack-tokens 1024 --loss-on all --lr 1e-3 --warmup 50 --max-steps ${STEPS:-1000} --epochs 4 \
-  --ce-positions 64 --ce-weight 0.5 --noise 0.1 --eval-every 400 --eval-packs 8 --save-every 100 --seed 15
+  --pack-tokens 1024 --loss-on all --lr 1e-3 --warmup 50 --max-steps ${STEPS:-2000} --epochs 4 \
+  --ce-positions 64 --ce-weight 0.5 --noise 0.1 --eval-every 500 --eval-packs 8 --save-every 100 --seed 15
 mkdir -p $OUT/eagle2 && cp $W/eagle2/config.json $W/eagle2/model.safetensors $OUT/eagle2/
 # 4. its low-rank head, rank d/8 = 80, fitted to its own states (two 640 x 80 matrices stored)
 spechead fit-lowrank --target gemma3-270m --drafter $OUT/eagle2 --features $W/feats --threads 2 | tee $R/fit_lowrank.json
-# 5. FR-Spec lists from the target's own text, VocabTrim lists from the drafter's proposals
-spechead vocab freq --tokenizer gemma3-270m --data $W/greedy.jsonl \
+# 5. FR-Spec lists from the target's own text and the training corpus (14.8M tokens; the generated text alone
+#    uses under 16,384 distinct ids), VocabTrim lists from the drafter's proposals
+spechead freq --tokenizer gemma3-270m --data $W/greedy.jsonl $D \
   --out spechead/drafters/vocab/v262144
-spechead vocab vocabtrim --target gemma3-270m --drafter $OUT/eagle2 --threads 2 --limit 96 --max-new-tokens 48 \
+spechead vocabtrim --target gemma3-270m --drafter $OUT/eagle2 --threads 2 --limit 96 --max-new-tokens 48 \
   --prompts $D/chat_sharegpt.jsonl.gz:48 $D/code_instruct.jsonl.gz:48 --out spechead/drafters/vocab/v262144

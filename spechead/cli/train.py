@@ -158,7 +158,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--pack-tokens",
         type=int,
         default=None,
-        help="tokens per target forward (default max(2048, --max-len)); attention over a pack costs its square",
+        help="tokens per target forward, at least --max-len (default max(2048, --max-len)); attention costs its square",
     )
     e.add_argument(
         "--dtype",
