@@ -256,6 +256,13 @@ def test_fitted_low_rank_head_round_trips_and_its_twin_is_the_same_drafter(setup
     prompt = [0, 5, 9, 11, 7]
     ref = Decoder(target, max_len=256).generate(prompt, 24, speculative=False).tokens
     assert low.generate(prompt, 24).tokens == ref == full.generate(prompt, 24).tokens
+    # the benchmark compares it with the same drafter's full head, whichever method names the folder first
+    from spechead.bench.methods import check_methods
+    from spechead.bench.runners import build_runners
+
+    specs = check_methods(["lowrank", "eagle"], TreeConfig(2, 2, 5))
+    build_runners(session, specs, {k: str(path) for k in ("eagle2", "eagle3", "lowrank")}, log=lambda _: None)
+    assert specs[0].twin == "eagle2" and specs[0].reference(specs) is specs[1]
     (path / LOW_RANK_FILE).write_bytes(b"garbage")
     with pytest.raises(SpecheadError, match="corrupt"):
         load_drafter(path, target)
