@@ -179,6 +179,6 @@ def test_real_gemma3_270m_matches_transformers(gemma3_270m):
         ref = ref_model(ids[None]).logits[0]
         mine = Decoder(target, None, None, TreeConfig.chain(1), 1024, []).generate(ids, 12, speculative=False).tokens
         theirs = ref_model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(ids) :]
-    assert (ours - ref).abs().max() < 1e-3
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()  # fp32, another summation order over 18 layers
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert mine == theirs.tolist()

@@ -31,3 +31,12 @@ spechead freq --tokenizer gemma3-270m --data $W/greedy.jsonl $D \
   --out spechead/drafters/vocab/v262144
 spechead vocabtrim --target gemma3-270m --drafter $OUT/eagle2 --threads 2 --limit 96 --max-new-tokens 48 \
   --prompts $D/chat_sharegpt.jsonl.gz:48 $D/code_instruct.jsonl.gz:48 --out spechead/drafters/vocab/v262144
+# 6. the shared tree: what `spechead tune` picks for NanoSpec on this drafter (then every method also on its own)
+P=$(spechead tune --target gemma3-270m --drafter $OUT/eagle2 --head nanospec --threads 2 --quiet | tail -1 | sed 's/.*: //')
+T=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['choice']['tree'])" "$P"); echo "shared tree $T"
+# 7. the study: every method on the tuned default (auto, per head) and on the shared tree, per category, one run
+M=hf,ar,eagle,fr,vocabtrim,nanospec,hybrid,lowrank
+spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
+  --max-new-tokens 96 --threads 2 --methods $M,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T \
+  --json $R/bench.json --report $R/report --quiet
+spechead bench-heads --shape gemma3-270m --batch 1,10 --dtype fp32 --threads 2 --json $R/heads_fp32.json
