@@ -40,3 +40,11 @@ spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,hum
   --max-new-tokens 96 --threads 2 --methods $M,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T \
   --json $R/bench.json --report $R/report --quiet
 spechead bench-heads --shape gemma3-270m --batch 1,10 --dtype fp32 --threads 2 --json $R/heads_fp32.json
+# 8. raw speculation on the shared tree (no guard), then NanoSpec reading the target's guesses at the last 64
+#    prompt rows only (the prefill computes the 262k-way head at 64 rows, not at every prompt row)
+spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
+  --max-new-tokens 96 --threads 2 --no-guard --methods ar,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T \
+  --json $R/bench_noguard.json --quiet
+spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
+  --max-new-tokens 96 --threads 2 --no-guard --methods ar,eagle@$T,nanospec@$T,nanospec:ctx_rows=64@$T,fr@$T \
+  --json $R/bench_ctx_rows.json --quiet
