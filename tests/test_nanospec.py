@@ -1,6 +1,8 @@
 """NanoSpec and hybrid heads: top-k against brute force over the defined candidate set, state
 invariants under adversarial streams, coverage telemetry, bad input, greedy losslessness."""
 
+import math
+
 import pytest
 import torch
 
@@ -300,8 +302,29 @@ def test_ctx_rows_reads_the_targets_guesses_at_the_last_prompt_rows_only(target)
     prompt = torch.randint(0, 64, (12,), generator=g)
     assert dec.generate(prompt, 20).tokens == dec.generate(prompt, 20, speculative=False).tokens
     assert seen == [3]
-    with pytest.raises(SpecheadError, match="ctx_rows"):
-        make_head("nanospec:ctx_rows=-1", dw, rows, target.config.vocab_size)
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(SpecheadError, match="ctx_rows"):
+            make_head(f"nanospec:ctx_rows={bad}", dw, rows, target.config.vocab_size)
+
+
+def test_ctx_rows_auto_bounds_the_heads_share_of_the_prefill(target):
+    """Every row where the head is small against the blocks, the last share of them where it dominates."""
+    from dataclasses import replace
+
+    from spechead.heads.nanospec import CTX_HEAD_SHARE
+
+    cfg = target.config
+    head = NanoSpecHead(weight(), None, V, w_max=32)  # ctx_rows=auto is the default
+    ratio = cfg.vocab_size * cfg.hidden_size / cfg.block_macs()
+    for n in (1, 5, 40, 300):
+        assert head.prompt_logit_rows(n, cfg) == max(1, min(n, math.ceil(n * CTX_HEAD_SHARE / ratio)))
+    big = replace(cfg, vocab_size=cfg.vocab_size * 64)  # a head 64x wider: the prefill keeps fewer rows
+    small = replace(cfg, vocab_size=8)
+    assert head.prompt_logit_rows(300, big) < head.prompt_logit_rows(300, cfg) <= 300
+    assert head.prompt_logit_rows(300, small) == 300
+    assert head.prompt_logit_rows(300, replace(cfg, vocab_size=1 << 30)) == 1  # never fewer than the last row
+    assert NanoSpecHead(weight(), None, V, w_max=32, ctx_rows=0).prompt_logit_rows(300, big) == 300
+    assert NanoSpecHead(weight(), None, V, w_max=32, ctx_topk=0).prompt_logit_rows(300, cfg) == 1
 
 
 def test_prompt_logits_must_cover_exactly_the_prompt():

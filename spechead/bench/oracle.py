@@ -38,7 +38,8 @@ def oracle_replay(session, prompts: list[list[int]], specs: list[str], tokens: i
         head = make_head(spec, w, None, tgt.config.vocab_size)
         taus, covs, sizes, ms = [], [], [], []
         for ids_t, plog, hs, lg, toks in runs:
-            head.begin(ids_t, plog if head.needs_prompt_logits else None)
+            rows = head.prompt_logit_rows(ids_t.numel(), tgt.config)
+            head.begin(ids_t, plog[-rows:] if head.needs_prompt_logits else None)
             t, acc = 0, []
             while t < tokens:
                 t0, chain = time.perf_counter(), []

@@ -199,7 +199,7 @@ class Decoder:
         guard.begin()
         want_aux = drafter.arch == "eagle3"
         with tm("prefill", dev):
-            rows = slice(-head.prompt_rows or None, None) if head.needs_prompt_logits else slice(-1, None)
+            rows = slice(-head.prompt_logit_rows(ids.numel(), target.config), None)
             pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
             root = self._choose(pre.logits[-1], cfg, gen)
             head.begin(ids, pre.logits if head.needs_prompt_logits else None)

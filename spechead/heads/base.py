@@ -22,6 +22,7 @@ from spechead.kernels import row_topk_supported
 from spechead.timing import Timers
 
 if TYPE_CHECKING:
+    from spechead.model.config import ModelConfig
     from spechead.model.lowrank import LowRankLinear
 
 
@@ -91,6 +92,11 @@ class DraftHead:
         return cls(weight, row_ids, vocab_size, **cls.options(arg))
 
     # -- the request lifecycle ---------------------------------------------------------------------
+    def prompt_logit_rows(self, n: int, target_cfg: ModelConfig) -> int:
+        """How many of an n-token prompt's last rows the prefill computes the target's logits at (at least the
+        last one, which the first token is chosen from); ``begin`` then receives those rows."""
+        return max(1, min(self.prompt_rows or n, n)) if self.needs_prompt_logits else 1
+
     def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
         """A new request: reset per-request state. ``prompt_logits`` is [P, V] if asked for."""
 

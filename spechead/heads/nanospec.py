@@ -54,6 +54,12 @@ DEFAULT_W_MAX = 3072
 SOURCES = {"ctx+ext": (True, True), "ext+ctx": (True, True), "ctx": (True, False), "ext": (False, True)}
 POLICIES = ("stop", "lru")
 GATHERS = ("auto", "sync", "async")
+# ctx_rows=auto: the target's logits are computed at as many of the last prompt rows as keep the head's share of the
+# prefill within this fraction of the decoder blocks' work. Every row where the head is small (SmolLM2: the head is
+# 0.27 of the blocks' multiply-adds; Llama-3.1-8B: 0.08), the last ~20 % of them where it dominates (Gemma 3 270M:
+# 1.67, where every row would triple the prefill); the Ctx guesses of the earlier rows hardly changed tau there
+# (docs/nanospec.md, "Ctx rows").
+CTX_HEAD_SHARE = 1 / 3
 # CPU default for gather=auto, chosen by measurement (docs/nanospec.md, "Overlap"): a worker thread
 # did not pay for its hand-off on the 2-core CPU, so the update runs at the first draft call.
 CPU_AUTO_GATHER = "sync"
@@ -65,8 +71,8 @@ class NanoSpecHead(DraftHead):
 
     needs_prompt_logits = True
     per_round = True
-    INT_OPTS = {"ext_topk", "ctx_topk", "ctx_rows", "freq"}
-    STR_OPTS = {"sources", "policy", "gather"}
+    INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
+    STR_OPTS = {"sources", "policy", "gather", "ctx_rows"}
 
     def __init__(
         self,
@@ -76,7 +82,7 @@ class NanoSpecHead(DraftHead):
         w_max: int | None = None,
         ext_topk: int = 3,
         ctx_topk: int = 3,
-        ctx_rows: int = 0,
+        ctx_rows: int | str = "auto",
         sources: str = "ctx+ext",
         policy: str = "stop",
         gather: str = "auto",
@@ -90,8 +96,10 @@ class NanoSpecHead(DraftHead):
             raise SpecheadError(f"nanospec W_max must be in [1, {vocab_size}] (the vocabulary size), got {w_max}")
         if not (0 <= ext_topk <= 64 and 0 <= ctx_topk <= 64):
             raise SpecheadError(f"ext_topk and ctx_topk must be in [0, 64], got {ext_topk} and {ctx_topk}")
-        if ctx_rows < 0:
-            raise SpecheadError(f"ctx_rows must be >= 0 (0: every prompt row), got {ctx_rows}")
+        if ctx_rows != "auto":
+            if not str(ctx_rows).isdigit():
+                raise SpecheadError(f"ctx_rows must be auto or an integer >= 0 (0: every prompt row), got {ctx_rows}")
+            ctx_rows = int(ctx_rows)
         if sources not in SOURCES:
             raise SpecheadError(f"sources must be one of ctx+ext, ctx, ext; got {sources!r}")
         if policy not in POLICIES:
@@ -102,9 +110,9 @@ class NanoSpecHead(DraftHead):
         self.sources = sources
         self.use_ctx, self.use_ext = SOURCES[sources]
         self.needs_prompt_logits = self.use_ctx and ctx_topk > 0
-        # the prefill then computes the target's logits at these rows only: at V = 262,144 every prompt row
-        # costs the LM head's 168M multiply-adds, more than the rest of the prefill
-        self.prompt_rows = ctx_rows
+        # the prefill then computes the target's logits at these rows only (None: CTX_HEAD_SHARE decides): at
+        # V = 262,144 every prompt row costs the LM head's 168M multiply-adds, more than the rest of the prefill
+        self.prompt_rows = None if ctx_rows == "auto" else ctx_rows
         dev = weight.device
         self.device = dev
         if gather == "auto":
@@ -135,6 +143,13 @@ class NanoSpecHead(DraftHead):
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" and gather == "async" else None
         self._event: torch.cuda.Event | None = None
         self._reset_counters()
+
+    def prompt_logit_rows(self, n: int, target_cfg) -> int:
+        """ctx_rows, or (auto) the last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill."""
+        if self.prompt_rows is not None or not self.needs_prompt_logits:
+            return super().prompt_logit_rows(n, target_cfg)
+        head_macs = target_cfg.vocab_size * target_cfg.hidden_size  # the target's head, which the prefill runs
+        return max(1, min(n, math.ceil(n * CTX_HEAD_SHARE * target_cfg.block_macs() / head_macs)))
 
     @classmethod
     def options(cls, arg: str) -> dict[str, Any]:
@@ -206,8 +221,8 @@ class NanoSpecHead(DraftHead):
             return
         prompt_ids = prompt_ids.to(self.device).flatten()
         n = prompt_ids.numel()
-        if prompt_logits is not None and prompt_logits.shape[0] not in (n, min(self.prompt_rows or n, n)):
-            # every prompt row, or (ctx_rows) the last ones; never stale extra rows (the reference's bug B1)
+        if prompt_logits is not None and not 0 < prompt_logits.shape[0] <= n:
+            # the last rows (those prompt_logit_rows asked for, or all); never stale extra rows (the reference's B1)
             raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {n} prompt ids")
         if prompt_logits is not None and self.prompt_rows:
             prompt_logits = prompt_logits[-self.prompt_rows :]  # the last rows (a caller may pass them all)

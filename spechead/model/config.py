@@ -44,6 +44,13 @@ class ModelConfig:
     rope_local_scaling: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def block_macs(self) -> int:
+        """Multiply-adds per token of the decoder blocks' projections (attention scores, the embedding and the
+        LM head excluded): what a prompt row costs before the head, to weigh the head's work against."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        d = self.hidden_size
+        return self.num_hidden_layers * (d * (2 * q + 2 * kv) + 3 * d * self.intermediate_size)
+
     def is_local(self, layer: int) -> bool:
         """Whether ``layer`` attends through the sliding window."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
