@@ -31,7 +31,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def add_cli(sub) -> None:
     """The ``tune`` subcommand."""
-    from spechead.tuning.calibrate import BUDGET_S
+    from spechead.tuning.calibrate import BUDGET_S, BUDGET_STEPS
 
     t = sub.add_parser("tune", help="measure this machine's costs and the drafter's acceptance; pick the tree")
     add_target(t)
@@ -43,7 +43,8 @@ def add_cli(sub) -> None:
         "--budget",
         type=float,
         default=None,
-        help=f"no acceptance pass ends past this many seconds of tuning (default {BUDGET_S:g})",
+        help=f"no acceptance pass ends past this many seconds of tuning (default: {BUDGET_S:g}, or "
+        f"{BUDGET_STEPS} AR steps of a slower target)",
     )
     t.add_argument("--show", action="store_true", help="print every measurement and why the tree was chosen")
     t.add_argument("--force", action="store_true", help="measure again even if a tuning is cached")

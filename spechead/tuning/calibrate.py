@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
+from spechead.model.tokenizer import has_chat_template
 from spechead.tuning.costs import MAX_ROWS, Recorder, drop_new_packs, measure_costs, packs
 from spechead.tuning.predict import (
     LOOKUPS,
@@ -51,9 +52,35 @@ CALIBRATION = (
         "the lanes for six months before a final vote.",
     ),
 )
+# A base model (no chat template) is tuned on what it is used for, text to continue: asked the chat prompts above
+# as raw text it rambles (tau 1.5-2.2 with Gemma 3 270M's drafter on chat, code and summarization, 3.7 on the
+# benchmark), and a tuner that sees that picks trees too small for real completions.
+CALIBRATION_COMPLETION = (
+    (
+        "code",
+        'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same both ways, ignoring case and '
+        'spaces."""\n',
+    ),
+    ("chat", "Question: What are three short tips for staying focused while working from home?\nAnswer:"),
+    (
+        "math",
+        "Question: A shop sells pens at 3 dollars each and notebooks at 5 dollars each. What do 4 pens and 2 notebooks "
+        "cost?\nAnswer:",
+    ),
+    ("translation", "French: Le chat dort sur le canapé pendant que nous préparons le dîner.\nEnglish:"),
+    (
+        "summarization",
+        "The city council met on Tuesday to discuss the new bike lanes. Residents said the lanes made cycling safer, "
+        "but shop owners worried about losing parking spaces. The council agreed to test the lanes for six months "
+        "before a final vote.\n\nSummary:",
+    ),
+)
 NEW_TOKENS = 32  # per calibration prompt
 MIN_TOKENS = 12  # what a slow machine still decodes per prompt (fewer when asked for fewer)
 BUDGET_S = 45.0  # no acceptance pass that would end past this many seconds of tuning; gather adds ~4 runs
+# ...or, for a slower target, past this many of its AR steps (45 s is 1,800 of the demo's 25 ms steps): one pass of
+# every candidate over one prompt is a noisy sample, and Gemma 3 270M's 40 ms steps left time for no second one
+BUDGET_STEPS = 1800
 MIN_PASSES = 2  # prompts every candidate decodes before any is dropped for predicting too little (budget allowing)
 AR_PROMPTS = 2
 GATHER_PROMPTS = 2
@@ -61,14 +88,17 @@ GATHER_MARGIN = 0.02  # async gather must beat sync by this share of a round
 
 
 def calibration_prompts(session, n: int) -> list[tuple[str, list[int]]]:
-    """The built-in prompts, chat-encoded; a session without a tokenizer (tests) gets their bytes as ids."""
+    """The built-in prompts: chat-encoded, or as text to continue for a base model; a session without a
+    tokenizer (tests) gets their bytes as ids."""
     out = []
     vocab = session.target.config.vocab_size
-    for kind, text in CALIBRATION[:n]:
-        if getattr(session, "tokenizer", None) is None:
+    tokenizer = getattr(session, "tokenizer", None)
+    chat = tokenizer is None or has_chat_template(tokenizer)
+    for kind, text in (CALIBRATION if chat else CALIBRATION_COMPLETION)[:n]:
+        if tokenizer is None:
             ids = [b % vocab for b in text.encode()][:48]
         else:
-            ids = list(session.encode(text))
+            ids = list(session.encode(text))  # a base model's one-turn prompt is its text (the completion format)
         out.append((kind, ids))
     return out
 
@@ -97,14 +127,14 @@ def measure(
     progress: bool = True,
     new_tokens: int = NEW_TOKENS,
     prompts: int = len(CALIBRATION),
-    budget_s: float = BUDGET_S,
+    budget_s: float | None = None,
     shapes=SHAPES,
     lookups=LOOKUPS,
 ) -> dict[str, Any]:
     """Measure and choose (see ``tuning.tune``). Returns the JSON-able record that gets cached."""
     from spechead.heads import HEADS
 
-    if new_tokens < 4 or prompts < 1 or not budget_s > 0:
+    if new_tokens < 4 or prompts < 1 or not (budget_s is None or budget_s > 0):
         got = f"got {new_tokens}, {prompts} and {budget_s}"
         raise SpecheadError(f"tuning needs new_tokens >= 4, prompts >= 1 and budget_s > 0 ({got})")
     main_head = session.draft_head(drafter, head)  # a bad head spec is the user's error, raised as such
@@ -155,6 +185,8 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
             bar.update(1)
         ar_tokens = sum(max(len(r["tokens"]) - 1, 0) for r in ar_runs)
         ar_step_ms = 1e3 * sum(r["decode_s"] for r in ar_runs) / max(ar_tokens, 1)
+        if budget_s is None:
+            budget_s = max(BUDGET_S, BUDGET_STEPS * ar_step_ms / 1e3)
         del ar_dec
         # acceptance: the real engine, every candidate, prompt by prompt
         cands = [new_candidate(t) for t in grid]

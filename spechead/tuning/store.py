@@ -19,7 +19,7 @@ import torch
 from spechead.cache import cache_dir
 from spechead.errors import say_once
 
-TUNE_VERSION = 1
+TUNE_VERSION = 2  # 2: base models calibrate on text to continue; NanoSpec reads ctx_rows=auto prompt rows
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 

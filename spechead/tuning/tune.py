@@ -15,10 +15,12 @@ What is measured (medians, in ms):
   at top_k rows; the AR step time (plain decoding, its glue included), which the engine's guard takes as
   ``ar_step_s``;
 - acceptance (``tuning.calibrate``): every candidate tree decodes a small built-in calibration set (chat,
-  code, math, translation, summarization; not the benchmark's prompts) with the real engine, greedy, so
+  code, math, translation, summarization; not the benchmark's prompts; chat-encoded, or for a base model text
+  to continue of the same kinds) with the real engine, greedy, so
   only its acceptance matters (the output is the target's own). Prompts run as passes over the candidates;
   after two passes, all but the best (``MIN_KEEP``, and any within ``KEEP_FRAC`` of the best) are dropped,
-  and no pass starts that would end past the time budget (``BUDGET_S``: the first pass always runs, with
+  and no pass starts that would end past the time budget (``BUDGET_S``, or ``BUDGET_STEPS`` AR steps of a slower
+  target: the first pass always runs, with
   fewer tokens per prompt on a machine too slow for it; the next one, if need be, with the best only).
 
 The prediction (``tuning.predict``) is the benchmark's cost decomposition (``speedup.speedup_model``):
