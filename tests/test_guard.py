@@ -125,8 +125,16 @@ def test_probes_decide_early_and_a_lost_request_carries_over():
     assert run_ar(g) == 4
     g.begin()  # the request lost as a whole: the next one starts with the next stretch
     assert run_ar(g) == 8
-    g.begin()  # one decoded all in AR keeps that verdict
-    assert run_ar(g) == 8
+    g.begin()  # one decoded all in AR keeps that verdict, and its stretch ended: the probe is due now
+    assert not g.ar
+    run_spec(g, 1, 3.0, 3)  # it fails (warm-up, then two rounds under half the AR rate): 8 AR steps owed
+    for left in (5, 2):  # requests of 3 tokens carry on what is left of the stretch, they do not restart it
+        for _ in range(3):
+            assert g.ar
+            g.record(1, 1.0)
+        g.begin()
+        assert g.ar_left == left
+    assert run_ar(g) == 2
     run_spec(g, 9, 1.0, 5)  # a probe that wins (a full window at 9 tokens/s) resets it
     assert not g.ar
     g.begin()  # and a request that won as a whole lets the next one speculate first
@@ -177,13 +185,18 @@ def test_greedy_with_switches_equals_autoregressive(tiny_small_vocab_dir, arch, 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_tiny_ar_figure_switches(tiny_small_vocab_dir, arch):
     """The real clock against a 1 ns AR step: speculation looks slower, so AR steps run; after a request that
-    speculation lost, the next one starts in an AR stretch."""
+    speculation lost, the next one starts in an AR stretch and speculates only in its probes (a warm-up round
+    and two that decide), each one doubling the stretch."""
     dec = make_decoder(tiny_small_vocab_dir, arch, "nanospec", LOOKUP_TREE, guard=GuardConfig(), ar_step_s=1e-9)
     for i, prompt in enumerate(prompts(2, 2)):
         res = dec.generate(prompt, 60)
         assert res.tokens == dec.generate(prompt, 60, speculative=False).tokens
         check_counts(res)
-        assert res.mode_rounds["ar"] > 0 and (res.mode_rounds["speculative"] > 0) == (i == 0)
+        assert res.mode_rounds["ar"] > 0
+        if i == 0:
+            assert res.mode_rounds["speculative"] >= GuardConfig().window
+        else:
+            assert res.mode_rounds["ar"] >= 40 and res.mode_rounds["speculative"] <= 6
 
 
 def test_huge_ar_figure_never_switches(tiny_small_vocab_dir):
