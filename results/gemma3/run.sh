@@ -34,17 +34,23 @@ spechead vocabtrim --target gemma3-270m --drafter $OUT/eagle2 --threads 2 --limi
 # 6. the shared tree: what `spechead tune` picks for NanoSpec on this drafter (then every method also on its own)
 P=$(spechead tune --target gemma3-270m --drafter $OUT/eagle2 --head nanospec --threads 2 --quiet | tail -1 | sed 's/.*: //')
 T=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['choice']['tree'])" "$P"); echo "shared tree $T"
-# 7. the study: every method on the tuned default (auto, per head) and on the shared tree, per category, one run
+# 7. the study (eighth session): every method on its tuned default (tree auto, per head) and on the shared tree,
+#    the drafter alone (no lookup branch) beside them, raw speculation (no guard), per category, one run
 M=hf,ar,eagle,fr,vocabtrim,nanospec,hybrid,lowrank
 spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
-  --max-new-tokens 96 --threads 2 --methods $M,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T \
+  --max-new-tokens 96 --threads 2 --no-guard \
+  --methods $M,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T,eagle@2x1x4,eagle@chain:3 \
   --json $R/bench.json --report $R/report --quiet
 spechead bench-heads --shape gemma3-270m --batch 1,10 --dtype fp32 --threads 2 --json $R/heads_fp32.json
-# 8. raw speculation on the shared tree (no guard), then NanoSpec reading the target's guesses at the last 64
-#    prompt rows only (the prefill computes the 262k-way head at 64 rows, not at every prompt row)
+# 8. how many prompt rows NanoSpec's Ctx source reads (the prefill computes the 262k-way head at each of them)
 spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
-  --max-new-tokens 96 --threads 2 --no-guard --methods ar,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T \
-  --json $R/bench_noguard.json --quiet
-spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
-  --max-new-tokens 96 --threads 2 --no-guard --methods ar,eagle@$T,nanospec@$T,nanospec:ctx_rows=64@$T,fr@$T \
+  --max-new-tokens 96 --threads 2 --no-guard \
+  --methods ar,eagle@$T,nanospec:ctx_rows=0@$T,nanospec:ctx_rows=64@$T,nanospec:ctx_rows=16@$T,nanospec:ctx_topk=0@$T \
   --json $R/bench_ctx_rows.json --quiet
+# 9. the drafter alone on larger trees (tau only: the full head's cost does not change it, FR-Spec's list covers it)
+spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
+  --max-new-tokens 96 --threads 2 --no-guard --methods fr@2x4x8,fr@4x4x16,eagle@10x6x60 --json $R/bench_trees.json --quiet
+# 10. the tuned defaults as a user runs them: the guard on
+spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
+  --max-new-tokens 96 --threads 2 --methods ar,eagle,fr,vocabtrim,nanospec,hybrid,lowrank,eagle@$T \
+  --json $R/bench_guard.json --quiet
