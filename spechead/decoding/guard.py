@@ -19,8 +19,8 @@ class GuardConfig:
     as a whole starts with it); a probe that beats AR resets it. A stretch left unfinished at the end of a
     request carries on into the next one, so a probe comes at least every ``max_ar_steps`` AR steps whatever
     the requests' lengths (restarted per request, a stretch longer than the requests never ended: the full
-    head on Gemma 3 270M, 1.6x AR raw, was held at AR for 2,220 of 2,256 steps). In a probe, two rounds decide already when
-    speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
+    head on Gemma 3 270M, 1.6x AR raw, was held at AR for 2,220 of 2,256 steps). In a probe, two rounds
+    decide already when speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
     few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third of their
     tokens; probing a drafter that never hits for a full window per request cost 30 % of AR's speed (the
     fifth session's benchmark, results/bench/portable)."""
