@@ -139,7 +139,8 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
         head = None
         try:
             head = session.draft_head(drafter, spec)
-            head.begin(x, pre.logits if head.needs_prompt_logits else None)
+            rows = head.prompt_logit_rows(x.numel(), session.target.config)
+            head.begin(x, pre.logits[-rows:] if head.needs_prompt_logits else None)
             entry["class"] = type(head).__name__
             for k in ks:
                 root = _median_ms(lambda k=k, head=head: head.topk(hin, k), 5, dev)
