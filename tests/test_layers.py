@@ -23,6 +23,7 @@ LAYERS = [
     {"tuning"},
     {"bench"},
     {"serve"},
+    {"integrations"},  # other engines' plugins (vLLM): nothing below imports them
     {"cli"},
 ]
 

@@ -173,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(d)
     add_tree(d)
     d.set_defaults(func=cmd_demo)
-    from spechead.cli import coverage, heads, serve, train, tune, vocab
+    from spechead.cli import coverage, export, heads, serve, train, tune, vocab
 
-    for module in (train, vocab, heads, serve, coverage, tune):  # one file per group of subcommands
+    for module in (train, vocab, heads, serve, coverage, tune, export):  # one file per group of subcommands
         module.add_cli(sub)
     return p
 

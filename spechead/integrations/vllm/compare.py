@@ -1,0 +1,104 @@
+"""The same drafter and head in vLLM and in spechead's own engine, on the same token-id prompts.
+
+Used by the integration test (tests/test_vllm_plugin.py) and the measurement (results/vllm/bench.py). A method
+is a shipped EAGLE-3 drafter plus a spechead head spec; ``vllm_config`` turns it into vLLM's
+``speculative_config`` (the plugin's folder, written by ``spechead export --format vllm`` and cached), and
+``spechead_run`` decodes it with spechead's ``Decoder`` in a chain of the same length, without the never-slower
+guard, so both engines draft the same tokens per round and their acceptance lengths can be compared.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spechead.cache import cache_dir
+from spechead.decoding.session import DEMO_DRAFTERS, Session
+from spechead.decoding.tree import TreeConfig
+
+
+@dataclass(frozen=True)
+class Method:
+    """A drafter (a shipped folder's name under spechead/drafters) with a head spec; ``native``: vLLM's own
+    EAGLE-3 class on the published folder, unchanged (the full-head baseline vLLM users have today)."""
+
+    name: str
+    drafter: str
+    head: str = "full"
+    native: bool = False
+
+    @property
+    def drafter_path(self) -> Path:
+        return DEMO_DRAFTERS / self.drafter
+
+
+METHODS = {
+    m.name: m
+    for m in [
+        Method("eagle3-full (vLLM native)", "eagle3", native=True),
+        Method("eagle3-full (plugin)", "eagle3", "full"),
+        Method("eagle3 + lowrank:72 (SVD)", "eagle3", "lowrank:72"),
+        Method("eagle3-lowrank72 (trained)", "eagle3-lowrank72", "lowrank"),
+        Method("eagle3 + fr:8192", "eagle3", "fr:8192"),
+        Method("eagle3 + vocabtrim:8192", "eagle3", "vocabtrim:8192"),
+    ]
+}
+
+
+def export_dir(method: Method, session: Session, root: Path | None = None) -> Path:
+    """The method's vLLM folder, exported once (spechead's own export) and kept under the cache."""
+    from spechead.decoding.session import resolve_drafter
+    from spechead.integrations.vllm.export import export_vllm
+
+    if method.native:
+        return method.drafter_path
+    out = (root or cache_dir() / "vllm-export") / f"{method.drafter}-{method.head.replace(':', '-')}"
+    if not (out / "config.json").is_file():
+        drafter = resolve_drafter(str(method.drafter_path), session.target)
+        export_vllm(drafter, session.draft_head(drafter, method.head), method.head, out, str(method.drafter_path))
+    return out
+
+
+def vllm_config(method: Method, folder: Path, k: int = 3) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a method: EAGLE-3, a chain of k, greedy drafts through the head's
+    ``get_top_tokens`` (no full-vocabulary logits)."""
+    return {
+        "method": "eagle3",
+        "model": str(folder),
+        "num_speculative_tokens": k,
+        "use_local_argmax_reduction": True,
+    }
+
+
+def spechead_run(
+    session: Session, method: Method | None, prompts: list[list[int]], max_new_tokens: int, k: int = 3
+) -> dict[str, Any]:
+    """spechead's engine, one request at a time: AR for ``method=None``, else a chain of k with the method's
+    drafter and head (guard off). Returns outputs, tok/s over the timed runs and the mean acceptance length."""
+    from spechead.decoding.session import resolve_drafter
+
+    if method is None:
+        dec = session.decoder()
+    else:
+        drafter = resolve_drafter(str(method.drafter_path), session.target)
+        dec = session.decoder(drafter, method.head, TreeConfig.chain(k), guard=None)
+    spec = method is not None
+    dec.generate(prompts[0], 8, speculative=spec)  # warm-up
+    outputs, rounds, committed, wall = [], 0, 0, 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        res = dec.generate(p, max_new_tokens, speculative=spec)
+        wall += time.perf_counter() - t
+        outputs.append(res.tokens)
+        rounds += len(res.accept_lengths)
+        committed += sum(res.accept_lengths)
+    new = sum(len(o) for o in outputs)
+    return {
+        "outputs": outputs,
+        "new_tokens": new,
+        "wall_s": wall,
+        "tok_s": new / wall,
+        "acceptance_length": committed / rounds if rounds else None,
+    }

@@ -1,0 +1,66 @@
+"""The vLLM export format (``spechead export --format vllm``): a drafter and its head choice as a folder vLLM
+loads. Importing this needs no vLLM.
+
+The folder is an EAGLE-3 checkpoint in the published layout (config.json + model.safetensors) that vLLM's own
+loader reads, with two additions the spechead plugin (``spechead.integrations.vllm``) reads:
+``architectures: [VLLM_ARCH]`` (the plugin's drafter class; the name ends in ``Eagle3``, which vLLM keeps) and a
+``spechead`` block naming the head. The head is resolved here, with spechead's own code, and written as plain
+data, so vLLM needs nothing but the folder: a low-rank head's factors (the drafter's own, re-truncated, or the
+SVD of its full head) go into the checkpoint as ``lm_head.down/up.weight`` with ``lm_head_rank``; a static subset
+(``fr`` / ``vocabtrim``) is written as the token list its head drafts from. Weights are written in float32, the
+dtype the engines draft in (bf16 checkpoints widen exactly), so both engines read the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from spechead.errors import SpecheadError
+
+VLLM_ARCH = "SpecheadLlamaForCausalLMEagle3"
+CONFIG_KEY = "spechead"  # the config.json block the plugin reads: {"head": SPEC, ...}
+FORMATS = ("vllm",)
+HEADS = ("full", "lowrank", "fr", "vocabtrim")  # what the plugin's drafter class runs (see docs in the plugin)
+
+
+def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "") -> Path:
+    """Write ``drafter`` (a spechead EAGLE-3 drafter) with the built spechead ``head`` of spec ``spec`` to ``out``."""
+    from safetensors.torch import save_file
+
+    from spechead.heads.full import FullHead
+    from spechead.heads.lowrank import LowRankHead
+    from spechead.heads.subset import SubsetHead
+    from spechead.heads.tokenmaps import save_token_map
+    from spechead.model.drafter import Eagle3Drafter
+
+    if not isinstance(drafter, Eagle3Drafter):
+        raise SpecheadError("vLLM export takes an EAGLE-3 drafter (--arch eagle3 or an EAGLE-3 folder)")
+    name = spec.partition(":")[0]
+    if name not in HEADS:
+        raise SpecheadError(f"head {name!r} cannot run inside vLLM's EAGLE path; exportable: {', '.join(HEADS)}")
+    state = dict(drafter.checkpoint_state())
+    cfg = drafter.draft_config()
+    block: dict[str, Any] = {"head": name, "spec": spec, "source": source}
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(head, LowRankHead):
+        up, down = head.scorer.factors
+        for k in [k for k in state if k.startswith("lm_head.")]:
+            del state[k]
+        state["lm_head.up.weight"], state["lm_head.down.weight"] = up, down
+        cfg["lm_head_rank"], cfg["tie_lm_head_to_target"] = int(down.shape[0]), False
+        block["rank"] = int(down.shape[0])
+    elif isinstance(head, SubsetHead):
+        file = f"{name}_{head.size}.pt"
+        save_token_map(head.ids.tolist(), out / file)
+        block["head"], block["size"] = f"{name}:{file}", head.size
+    elif not isinstance(head, FullHead):
+        raise SpecheadError(f"head {spec!r} has no vLLM form")
+    cfg["architectures"] = [VLLM_ARCH]
+    cfg["torch_dtype"] = "float32"
+    cfg[CONFIG_KEY] = block
+    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -1,0 +1,59 @@
+"""``spechead export --format vllm`` (no vLLM needed): the folder holds the head as data, and spechead reads it
+back to the very same head (the plugin builds its head from the same fields)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spechead.errors import SpecheadError
+from spechead.heads import make_head
+from spechead.heads.tokenmaps import load_token_map
+from spechead.integrations.vllm.export import CONFIG_KEY, VLLM_ARCH, export_vllm
+from spechead.model.drafter import load_drafter, random_drafter
+
+
+def _head(drafter, target, spec):
+    weight, row_ids = drafter.head_weight(target)
+    return make_head(spec, weight, row_ids, target.config.vocab_size, drafter.low_rank_head)
+
+
+def test_export_lowrank_writes_factors_spechead_reads_back(tiny_target, tmp_path):
+    d = random_drafter(tiny_target, "eagle3", seed=1)
+    head = _head(d, tiny_target, "lowrank:4")
+    out = export_vllm(d, head, "lowrank:4", tmp_path / "lr")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [VLLM_ARCH] and cfg["architectures"][0].endswith("Eagle3")
+    assert cfg["lm_head_rank"] == 4 and cfg[CONFIG_KEY]["head"] == "lowrank"
+    back = load_drafter(out, tiny_target)
+    h = torch.randn(3, tiny_target.config.hidden_size)
+    again = _head(back, tiny_target, "lowrank")
+    torch.testing.assert_close(again.reference_logits(h), head.reference_logits(h))
+    assert torch.equal(again.topk(h, 2)[1], head.topk(h, 2)[1])
+
+
+def test_export_subset_writes_its_token_list(tiny_target, tmp_path):
+    d = random_drafter(tiny_target, "eagle3", seed=1)
+    V = tiny_target.config.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:10]
+    path = tmp_path / "list.pt"
+    torch.save(ids.tolist(), path)
+    head = _head(d, tiny_target, f"fr:{path}")
+    out = export_vllm(d, head, f"fr:{path}", tmp_path / "fr")
+    block = json.loads((out / "config.json").read_text())[CONFIG_KEY]
+    name, _, file = block["head"].partition(":")
+    assert name == "fr" and torch.equal(load_token_map(out / file, V), ids)
+    again = _head(load_drafter(out, tiny_target), tiny_target, f"fr:{out / file}")
+    h = torch.randn(2, tiny_target.config.hidden_size)
+    torch.testing.assert_close(again.reference_logits(h), head.reference_logits(h))
+
+
+def test_export_refuses_what_vllm_cannot_run(tiny_target, tmp_path):
+    d2 = random_drafter(tiny_target, "eagle2", seed=1)
+    with pytest.raises(SpecheadError, match="EAGLE-3"):
+        export_vllm(d2, _head(d2, tiny_target, "full"), "full", tmp_path / "e2")
+    d3 = random_drafter(tiny_target, "eagle3", seed=1)
+    with pytest.raises(SpecheadError, match="cannot run inside vLLM"):
+        export_vllm(d3, _head(d3, tiny_target, "nanospec"), "nanospec", tmp_path / "ns")

