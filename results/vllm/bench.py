@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from spechead.bench.suites import load_suite, round_robin
 from spechead.decoding.session import Session
 from spechead.integrations.vllm.compare import METHODS, export_dir, spechead_run, vllm_config
 from spechead.integrations.vllm.run import spawn
+from spechead.tuning.measure import cpu_name
 
 AR = "AR"
 
@@ -38,14 +37,6 @@ def prompts(session: Session, n: int, max_len: int) -> list[list[int]]:
     rows = round_robin(load_suite("spec-bench", limit=3, eval_dir=eval_dir))
     ids = [session.encode(r["turns"][0]) for r in rows]
     return [p for p in ids if len(p) <= max_len][:n]
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def table(res: dict) -> str:

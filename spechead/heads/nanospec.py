@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -49,6 +49,9 @@ from spechead.heads.base import (
     topk_logprobs,
 )
 from spechead.kernels.linear import BlockedWeight
+
+if TYPE_CHECKING:
+    from spechead.model.config import ModelConfig
 
 DEFAULT_W_MAX = 3072
 SOURCES = {"ctx+ext": (True, True), "ext+ctx": (True, True), "ctx": (True, False), "ext": (False, True)}
@@ -144,7 +147,7 @@ class NanoSpecHead(DraftHead):
         self._event: torch.cuda.Event | None = None
         self._reset_counters()
 
-    def prompt_logit_rows(self, n: int, target_cfg) -> int:
+    def prompt_logit_rows(self, n: int, target_cfg: ModelConfig) -> int:
         """ctx_rows, or (auto) the last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill."""
         if self.prompt_rows is not None or not self.needs_prompt_logits:
             return super().prompt_logit_rows(n, target_cfg)
