@@ -1,7 +1,5 @@
 """Losslessness of speculative decoding on tiny random targets: greedy token-for-token, sampling in law."""
 
-import warnings
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -12,6 +10,7 @@ from spechead.decoding.sampling import SamplingConfig, target_probs
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.heads.full import FullHead
+from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
 
@@ -68,15 +67,18 @@ def test_lookup_branch_is_used_and_lossless(tiny_small_vocab_dir):
     assert dec.generate(prompt, 40).tokens == dec.generate(prompt, 40, speculative=False).tokens
 
 
-def test_trees_beyond_the_kernels_rows_warn(tiny_small_vocab_dir):
-    """Past 16 rows verification leaves the kernel, and with it bitwise agreement with a decode step."""
+def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):
+    """A 24-row tree lays every projection out for 24 rows: a verification's products are then bitwise those of
+    decode steps, row by row (the kernel's per-row results do not depend on the row count)."""
     if not kernels.available():
         pytest.skip("spechead's kernel is not built on this machine")
-    with pytest.warns(UserWarning, match="verifies up to 24 tokens"):
-        make_decoder(tiny_small_vocab_dir, tree=TreeConfig(4, 4, 16, lookup=8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make_decoder(tiny_small_vocab_dir, tree=TreeConfig(2, 4, 8, lookup=8))  # 16 rows: no warning
+    target = make_decoder(tiny_small_vocab_dir, tree=TreeConfig(4, 4, 16, lookup=8)).target
+    layers = [m for m in target.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.kind == "kernel" for m in layers)
+    x = torch.randn(24, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for m in (target.lm_head, target.model.layers[0].mlp.gate_up_proj):
+            assert torch.equal(m(x), torch.cat([m(x[i : i + 1]) for i in range(24)]))
 
 
 def test_eagle3_on_deeper_target(tiny_dir):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import write_tiny_llama
 
+from spechead.decoding.batch import BatchDecoder
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
@@ -69,6 +70,19 @@ def test_greedy_equals_autoregressive(name, target):
     want = [ar.generate(p, 16, speculative=False).tokens for p in prompts]
     dec = Decoder(target, drafter, make_head(name, weight, row_ids, V), TreeConfig(2, 2, 4, lookup=4), 128)
     assert [dec.generate(p, 16).tokens for p in prompts] == want
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batched_greedy_equals_autoregressive(name, target):
+    """Batched (three requests at a time, five of different lengths joining as others leave): each request's
+    output is its batch-1 AR output, the head shared by every request or, if it keeps state, one per request."""
+    drafter = random_drafter(target, "eagle2", seed=4)
+    weight, row_ids = drafter.head_weight(target)
+    prompts = ([5, 17, 300, 5, 17], [1000, 2, 2, 9], [7], [40, 41, 42, 40, 41, 42, 40], [9, 9])
+    ar = Decoder(target, max_len=128)
+    want = [ar.generate(p, 12, speculative=False).tokens for p in prompts]
+    batch = BatchDecoder(target, drafter, lambda: make_head(name, weight, row_ids, V), TreeConfig(2, 2, 4, lookup=4), 3)
+    assert [r.tokens for r in batch.generate(prompts, 12)] == want
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,20 +14,17 @@ target step as ``_autoregressive``, so the output is unchanged), then probes spe
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from spechead import kernels
 from spechead.decoding.guard import Guard, GuardConfig
 from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sampling, sample, target_probs
 from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
-from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import Drafter
 from spechead.model.transformer import Transformer
 from spechead.timing import Timers
@@ -50,6 +47,33 @@ class GenerationResult:
         """Mean tokens committed per speculative round (bonus token included); the guard's AR steps are
         not rounds (see ``mode_rounds``)."""
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
+
+
+def choose(logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """The target's token from one row of logits: its argmax, or a draw from its sampling distribution."""
+    return int(logits.argmax()) if cfg.greedy else sample(target_probs(logits, cfg), gen)
+
+
+def make_generator(cfg: SamplingConfig) -> torch.Generator | None:
+    """A request's own random stream (seeded when the request says so); None for greedy decoding."""
+    if cfg.greedy:
+        return None
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**63))
+    return gen
+
+
+def clip_round(new: list[int], done: int, max_new: int, stop_ids: set[int]) -> tuple[list[int], str | None]:
+    """Clip a round's tokens at a stop token or the budget (``done`` tokens already emitted); returns (tokens to
+    emit, stop reason or None)."""
+    for i, t in enumerate(new):
+        if done + i + 1 > max_new:
+            return new[:i], "max_new_tokens"
+        if t in stop_ids:
+            return new[: i + 1], "stop_token"
+        if done + i + 1 == max_new:
+            return new[: i + 1], "max_new_tokens"
+    return new, None
 
 
 class Decoder:
@@ -83,17 +107,10 @@ class Decoder:
                 raise ValueError("a drafter needs a head")
             drafter.setup_cache(self.max_len + self.tree.drafter_slots)
         # decode steps run the target on one row, verification on up to `max_rows` rows every round: lay
-        # its weights out for that (the same layout serves both where spechead's kernel runs; MKL's
-        # fallback packing serves `max_rows` only, so rounds whose lookup branch is shorter use F.linear)
-        rows = self.tree.max_rows if drafter is not None else 1
-        target.prepack(rows)
-        if rows > PackedLinear.KERNEL_ROWS and kernels.supports(target.lm_head.weight):
-            warnings.warn(
-                f"the draft tree {self.tree} verifies up to {rows} tokens; spechead's kernel covers "
-                f"{PackedLinear.KERNEL_ROWS}, so larger verifications run on F.linear: slower, and their "
-                "logits are not bitwise those of a decode step (a near-tie may then differ from AR)",
-                stacklevel=2,
-            )
+        # its weights out for that (the same layout serves both where spechead's kernel runs, bitwise the same
+        # per row whatever the row count; MKL's fallback packing serves `max_rows` only, so rounds whose lookup
+        # branch is shorter use F.linear)
+        target.prepack(self.tree.max_rows if drafter is not None else 1)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
@@ -107,27 +124,13 @@ class Decoder:
         return ids
 
     def _choose(self, logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
-        if cfg.greedy:
-            return int(logits.argmax())
-        return sample(target_probs(logits, cfg), gen)
+        return choose(logits, cfg, gen)
 
     def _generator(self, cfg: SamplingConfig) -> torch.Generator | None:
-        if cfg.greedy:
-            return None
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**63))
-        return gen
+        return make_generator(cfg)
 
     def _finish(self, new: list[int], out: list[int], max_new: int) -> tuple[list[int], str | None]:
-        """Clip a round's tokens at a stop token or the budget; returns (tokens to emit, stop reason)."""
-        for i, t in enumerate(new):
-            if len(out) + i + 1 > max_new:
-                return new[:i], "max_new_tokens"
-            if t in self.stop_ids:
-                return new[: i + 1], "stop_token"
-            if len(out) + i + 1 == max_new:
-                return new[: i + 1], "max_new_tokens"
-        return new, None
+        return clip_round(new, len(out), max_new, self.stop_ids)
 
     # -- public API -----------------------------------------------------------------------------
     @torch.inference_mode()

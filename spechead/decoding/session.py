@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from spechead.decoding.batch import BatchDecoder
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.tree import TreeConfig
@@ -153,6 +154,21 @@ class Session:
         return Decoder(
             self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids, guard, ar_step_s
         )
+
+    def batch_decoder(
+        self,
+        drafter: Drafter | None = None,
+        head: str = "full",
+        tree: TreeConfig | str | None = None,
+        max_batch: int = 8,
+    ) -> BatchDecoder:
+        """A batched decoder (``decoding.batch``) over this session's target: ``max_batch`` requests at a time,
+        each with its own head where the head keeps per-request state. ``tree``: a TreeConfig or spec (None:
+        DEFAULT_TREE; ``auto`` is not tuned for batches yet and means DEFAULT_TREE too)."""
+        if isinstance(tree, str):
+            tree = None if tree.strip() == AUTO_TREE else TreeConfig.parse(tree.strip())
+        make = (lambda: self.draft_head(drafter, head)) if drafter is not None else None
+        return BatchDecoder(self.target, drafter, make, tree or DEFAULT_TREE, max_batch, self.stop_ids)
 
     def encode(self, turns: list[dict[str, str]] | str, raw: bool = False) -> list[int]:
         """A prompt's ids: a string is one user turn; the chat template where the target has one (a base

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
+from spechead.model.layers import Segment
 
 
 @dataclass(frozen=True)
@@ -136,36 +137,92 @@ def draft_tree(
     ``prefix`` is the number of accepted pairs in the drafter cache; tree levels are written after
     it and discarded when the next round overwrites them.
     """
+    return draft_trees(drafter, [head], h_last, [root], [prefix], [0], cfg, [n_nodes])[0]
+
+
+def heads_topk(heads: list[DraftHead], h: Tensor, counts: list[int], k: int) -> list[tuple[Tensor, Tensor]]:
+    """Top-k of the draft distribution for several requests' rows (``counts`` rows each, packed in ``h``): one
+    call over all of them where they share one head (a stateless head), else one call per request's own head
+    (NanoSpec's per-request active set). Per request: (log-probs [rows, k'], target ids [rows, k'])."""
+    if all(x is heads[0] for x in heads):
+        logp, ids = heads[0].topk(h, k)
+        return list(zip(logp.split(counts), ids.split(counts), strict=True)) if len(counts) > 1 else [(logp, ids)]
+    return [head.topk(rows, k) for head, rows in zip(heads, h.split(counts), strict=True)]
+
+
+@dataclass
+class _Expansion:
+    """One request's EAGLE-2 expansion in progress: every candidate so far and the frontier being expanded."""
+
+    scores: list[Tensor]
+    tokens: list[Tensor]
+    parents: list[Tensor]
+    cur_scores: Tensor
+    cur_tokens: Tensor
+    cur_h: Tensor  # drafter states the frontier was drafted from
+    cur_index: Tensor  # candidate indices of the frontier
+    vis: Tensor  # what each frontier node sees among the tree's drafter slots
+    base: int  # candidates so far
+    slot: int  # next drafter slot
+
+
+def draft_trees(
+    drafter: Drafter,
+    heads: list[DraftHead],
+    h_last: Tensor,
+    roots: list[int],
+    prefixes: list[int],
+    lanes: list[int],
+    cfg: TreeConfig,
+    n_nodes: list[int],
+) -> list[DraftTree]:
+    """EAGLE-2 expansion for several requests at once, from their drafter states ``h_last`` [B, d]: one
+    drafter pass and one head call per level for all of them (``heads_topk``; ``heads``: each request's head,
+    one for all of them, or the same object repeated), each request on its own drafter cache lane (``prefixes``:
+    its accepted pairs; levels are written after them and overwritten next round)."""
     k, device = cfg.top_k, h_last.device
-    if n_nodes <= 0:
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        return build_tree(root, empty, empty, torch.empty(0, device=device), 0)
-    logp, ids = head.topk(drafter.head_input(h_last), k)
-    n0 = ids.shape[-1]
-    scores, tokens, parents = [logp[0]], [ids[0]], [torch.full((n0,), -1, dtype=torch.long, device=device)]
-    cur_scores, cur_tokens, cur_h = logp[0], ids[0], h_last.expand(n0, -1)
-    cur_index = torch.arange(n0, device=device)  # candidate indices of the nodes being expanded
-    vis = torch.eye(n0, dtype=torch.bool, device=device)  # what each node sees among tree slots
-    base, slot = n0, prefix
+    live = [b for b, n in enumerate(n_nodes) if n > 0]
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    trees = [build_tree(r, empty, empty, torch.empty(0, device=device), 0) for r in roots]
+    if not live:
+        return trees
+    heads = [heads[0] if len(heads) == 1 else heads[b] for b in live]
+    first = heads_topk(heads, drafter.head_input(h_last[live]), [1] * len(live), k)
+    exps = []
+    for b, (logp, ids) in zip(live, first, strict=True):
+        n0 = ids.shape[-1]
+        root_children = torch.full((n0,), -1, dtype=torch.long, device=device)
+        eye = torch.eye(n0, dtype=torch.bool, device=device)
+        frontier = (logp[0], ids[0], h_last[b].expand(n0, -1), torch.arange(n0, device=device), eye)
+        exps.append(_Expansion([logp[0]], [ids[0]], [root_children], *frontier, n0, prefixes[b]))
     for i in range(cfg.depth):
-        width = cur_tokens.numel()
-        mask = torch.cat([torch.ones(width, prefix, dtype=torch.bool, device=device), vis], dim=1)
-        positions = torch.full((width,), prefix + i, dtype=torch.long, device=device)
-        h = drafter(cur_tokens, cur_h, slot, positions, mask)
-        slot += width
-        logp, ids = head.topk(drafter.head_input(h), k)
-        kc = ids.shape[-1]
-        cu = (logp + cur_scores[:, None]).flatten()
-        scores.append(cu)
-        tokens.append(ids.flatten())
-        parents.append(cur_index.repeat_interleave(kc))
-        best = torch.sort(cu, descending=True, stable=True).indices[: min(k, cu.numel())]
-        src = best // kc
-        cur_scores, cur_tokens, cur_h = cu[best], ids.flatten()[best], h[src]
-        cur_index = base + best
-        base += cu.numel()
-        vis = torch.cat([vis[src], torch.eye(best.numel(), dtype=torch.bool, device=device)], dim=1)
-    return build_tree(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores), n_nodes)
+        segments, row0 = [], 0
+        for b, e in zip(live, exps, strict=True):
+            width = e.cur_tokens.numel()
+            mask = torch.cat([torch.ones(width, prefixes[b], dtype=torch.bool, device=device), e.vis], dim=1)
+            segments.append(Segment(row0, width, e.slot, mask, lanes[b]))
+            row0 += width
+        depth_pos = [torch.full((g.t,), prefixes[b] + i, device=device) for b, g in zip(live, segments, strict=True)]
+        cat = (lambda xs: xs[0]) if len(exps) == 1 else torch.cat
+        tokens, states = cat([e.cur_tokens for e in exps]), cat([e.cur_h for e in exps])
+        h = drafter(tokens, states, segments, cat(depth_pos), None)
+        level = heads_topk(heads, drafter.head_input(h), [g.t for g in segments], k)
+        for e, g, (logp, ids) in zip(exps, segments, level, strict=True):
+            e.slot += g.t
+            kc = ids.shape[-1]
+            cu = (logp + e.cur_scores[:, None]).flatten()
+            e.scores.append(cu)
+            e.tokens.append(ids.flatten())
+            e.parents.append(e.cur_index.repeat_interleave(kc))
+            best = torch.sort(cu, descending=True, stable=True).indices[: min(k, cu.numel())]
+            src = best // kc
+            e.cur_scores, e.cur_tokens, e.cur_h = cu[best], ids.flatten()[best], h[g.row0 : g.row0 + g.t][src]
+            e.cur_index = e.base + best
+            e.base += cu.numel()
+            e.vis = torch.cat([e.vis[src], torch.eye(best.numel(), dtype=torch.bool, device=device)], dim=1)
+    for b, e in zip(live, exps, strict=True):
+        trees[b] = build_tree(roots[b], torch.cat(e.tokens), torch.cat(e.parents), torch.cat(e.scores), n_nodes[b])
+    return trees
 
 
 class ContextLookup:

@@ -100,7 +100,9 @@ class PackedLinear(nn.Module):
     to ``KERNEL_ROWS`` rows once ``pack`` has laid the weight out (one more copy of it).
     """
 
-    KERNEL_ROWS = 16  # a target projection: longer inputs (prefill) use F.linear
+    # a target projection: longer inputs (prefill) use F.linear, unless ``pack`` was asked for more rows (a large
+    # tree or a batched decoder's verification: the kernel keeps their logits bitwise those of a decode step)
+    KERNEL_ROWS = 16
     MIN_NUMEL = 1 << 16  # a head below this: the kernel's fixed cost (transposing x, forking threads) beats the gain
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, shared: bool = False) -> None:
@@ -129,11 +131,14 @@ class PackedLinear(nn.Module):
 
     def pack(self, rows: int) -> None:
         """Lay the weight out for ``rows``-row products: the kernel's layout (it serves every row count up to
-        ``KERNEL_ROWS``) where a build runs, else MKL's packing at exactly ``rows`` rows (fp32)."""
+        ``KERNEL_ROWS`` or ``rows``, whichever is more) where a build runs, else MKL's packing at exactly ``rows``
+        rows (fp32)."""
         w = self.weight
         if kernels.supports(w):
             if self.blocked is None:
                 self.blocked = BlockedWeight(w.detach())
+            if self.max_rows is not None:
+                self.max_rows = max(self.max_rows, rows)
         elif rows >= 2 and rows not in self.packed and mkl_packing_available() and w.dtype == torch.float32:
             self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
 

@@ -16,6 +16,7 @@ and read either. Tensor names and shapes follow the published layouts exactly.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from spechead.errors import SpecheadError
 from spechead.model.config import ModelConfig
-from spechead.model.layers import Block, KVCache, RMSNorm, Rotary
+from spechead.model.layers import Block, KVCache, RMSNorm, Rotary, Segment
 from spechead.model.loading import read_safetensors, read_safetensors_file
 from spechead.model.lowrank import LowRankLinear
 from spechead.model.transformer import TargetOutput, Transformer
@@ -42,7 +43,7 @@ class Drafter(nn.Module):
         self.config = cfg
         self._embed = [embed]  # a list, so the target's table is neither registered nor saved
         self.rotary: Rotary | None = None
-        self.max_len = 0
+        self.max_len, self.lanes = 0, 0
 
     @property
     def embed(self) -> nn.Embedding:
@@ -52,21 +53,26 @@ class Drafter(nn.Module):
     def layer(self) -> Block:
         raise NotImplementedError
 
-    def setup_cache(self, max_len: int) -> None:
+    def setup_cache(self, max_len: int, lanes: int = 1) -> None:
+        """A cache of ``lanes`` sequences (one per request decoded at once) of up to ``max_len`` slots."""
         cfg, p = self.config, self.fc.weight
-        if max_len <= self.max_len:  # only grows: decoders with different trees share one drafter
+        if max_len <= self.max_len and lanes <= self.lanes:  # only grows: decoders with other trees share one drafter
             return
-        self.max_len = max_len
-        self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
-        self.layer.self_attn.cache = KVCache(max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device)
+        self.max_len, self.lanes = max(max_len, self.max_len), max(lanes, self.lanes)
+        self.rotary = Rotary(cfg.head_dim, self.max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
+        kv = KVCache(self.max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
+        self.layer.self_attn.cache = kv
 
     # -- what each architecture defines -------------------------------------------------------
     def target_features(self, out: TargetOutput) -> Tensor:
         """The target states this drafter consumes, one row per target position."""
         raise NotImplementedError
 
-    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
-        """Pairs (feature_j, token_{j+1}) at drafter slots [start, start+T) -> predicted next features."""
+    def forward(
+        self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
+    ) -> Tensor:
+        """Pairs (feature_j, token_{j+1}) at drafter slots [start, start+T) -> predicted next features. ``start``
+        may instead be the segments of several requests' rows (``layers.Segment``; ``mask`` is then None)."""
         raise NotImplementedError
 
     def head_input(self, h: Tensor) -> Tensor:
@@ -190,7 +196,9 @@ class Eagle2Drafter(Drafter):
     def target_features(self, out: TargetOutput) -> Tensor:
         return out.hidden
 
-    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
+    ) -> Tensor:
         x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1))
         cos, sin = self.rotary(positions)
         return self.layer(x, x, cos, sin, start, mask)
@@ -233,7 +241,9 @@ class Eagle3Drafter(Drafter):
             raise RuntimeError("EAGLE-3 needs the target's fused layer states (want_aux=True)")
         return out.aux
 
-    def forward(self, tokens: Tensor, feats: Tensor, start: int, positions: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
+    ) -> Tensor:
         h = feats.to(self.fc.weight.dtype)
         if h.shape[-1] != self.config.hidden_size:  # target features are fused; recycled ones are not
             h = self.fc(h)

@@ -11,6 +11,8 @@ The building blocks (``Attention``, ``MLP``, ``Block``) are reused by the drafte
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,26 +119,51 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache(nn.Module):
-    """Preallocated per-layer key/value buffers [1, kv_heads, max_len, head_dim], addressed by slot."""
+    """Preallocated per-layer key/value buffers [lanes, kv_heads, max_len, head_dim], addressed by slot; one lane
+    per request decoded at once (a batch-1 decoder has one)."""
 
-    def __init__(self, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, lanes: int = 1
+    ) -> None:
         super().__init__()
-        shape = (1, kv_heads, max_len, head_dim)
+        shape = (lanes, kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k/v at slots [start, start+T) and return the keys/values of slots [0, start+T)."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+    @property
+    def lanes(self) -> int:
+        return self.k.shape[0]
 
-    def move(self, src_slots: Tensor, dst_start: int) -> None:
-        """Copy slots ``src_slots`` (in order) to the contiguous range starting at ``dst_start``."""
+    def write(self, start: int, k: Tensor, v: Tensor, lane: int = 0) -> tuple[Tensor, Tensor]:
+        """Store k/v [1, kv_heads, T, head_dim] at slots [start, start+T) of ``lane`` and return that lane's
+        keys/values of slots [0, start+T) (a [1, ...] view: what a batch-1 call reads, whatever the lane)."""
+        end = start + k.shape[2]
+        self.k[lane : lane + 1, :, start:end] = k
+        self.v[lane : lane + 1, :, start:end] = v
+        return self.k[lane : lane + 1, :, :end], self.v[lane : lane + 1, :, :end]
+
+    def move(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
+        """Copy slots ``src_slots`` (in order) of ``lane`` to its contiguous range starting at ``dst_start``."""
         n = src_slots.numel()
-        self.k[:, :, dst_start : dst_start + n] = self.k.index_select(2, src_slots)
-        self.v[:, :, dst_start : dst_start + n] = self.v.index_select(2, src_slots)
+        k, v = self.k[lane : lane + 1], self.v[lane : lane + 1]
+        k[:, :, dst_start : dst_start + n] = k.index_select(2, src_slots)
+        v[:, :, dst_start : dst_start + n] = v.index_select(2, src_slots)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows in a batched forward: rows [row0, row0 + t) of the packed input, at slots
+    [start, start + t) of cache lane ``lane``, with the mask a batch-1 call would pass (bool [t, start + t],
+    None: causal) and, in a sliding-window layer, the first slot it reads (``mask`` then starts there).
+    Attention runs once per segment exactly as in a batch-1 call, so a request's rows do not depend on what
+    else is in the batch; the projections run on every segment's rows at once."""
+
+    row0: int
+    t: int
+    start: int
+    mask: Tensor | None = None
+    lane: int = 0
+    kv_from: int = 0
 
 
 class Attention(nn.Module):
@@ -167,10 +194,20 @@ class Attention(nn.Module):
             self.qkv_proj.bias = nn.Parameter(b, requires_grad=False)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor | None, kv_from: int = 0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        start: int | Sequence[Segment],
+        mask: Tensor | None = None,
+        kv_from: int = 0,
+    ) -> Tensor:
         """x: [T, d_in] for slots [start, start+T). mask: bool [T, start+T] (True = attend) or None (causal).
-        ``kv_from``: a sliding-window layer reads only slots [kv_from, start+T) (``mask`` then has that width)."""
+        ``kv_from``: a sliding-window layer reads only slots [kv_from, start+T) (``mask`` then has that width).
+        ``start`` may instead be the segments of a batched forward (each with its own slots, mask and lane)."""
         t, hd = x.shape[0], self.head_dim
+        segments = [Segment(0, t, start, mask, 0, kv_from)] if isinstance(start, int) else start
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         else:
@@ -181,17 +218,26 @@ class Attention(nn.Module):
         qk = apply_rope(torch.cat([q, k], dim=-1).view(t, self.n_heads + self.n_kv, hd), cos[:, None], sin[:, None])
         q, k = qk.transpose(0, 1).split([self.n_heads, self.n_kv], dim=0)
         k, v = k.unsqueeze(0), v.view(t, self.n_kv, hd).transpose(0, 1).unsqueeze(0)
+        outs = [self._attend(q, k, v, s) for s in segments]
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
+        """Attention of one segment's queries over its lane: [t, n_heads * head_dim]."""
+        rows = slice(seg.row0, seg.row0 + seg.t)
+        if q.shape[1] != seg.t:
+            q, k, v = q[:, rows], k[:, :, rows], v[:, :, rows]
         if self.cache is not None:
-            k, v = self.cache.write(start, k, v)
-        elif start:
+            k, v = self.cache.write(seg.start, k, v, seg.lane)
+        elif seg.start:
             raise RuntimeError("attention without a cache cannot continue from a prefix")
-        if kv_from:
-            k, v = k[:, :, kv_from:], v[:, :, kv_from:]
-        if mask is None and t > 1:
-            mask = causal_mask(t, k.shape[2], x.device)
+        if seg.kv_from:
+            k, v = k[:, :, seg.kv_from :], v[:, :, seg.kv_from :]
+        mask = seg.mask
+        if mask is None and seg.t > 1:
+            mask = causal_mask(seg.t, k.shape[2], q.device)
         gqa = self.n_kv != self.n_heads
         out = F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, -1))
+        return out[0].transpose(0, 1).reshape(seg.t, -1)
 
 
 def causal_mask(t: int, total: int, device: torch.device) -> Tensor:
@@ -251,8 +297,8 @@ class Block(nn.Module):
         attn_input: Tensor,
         cos: Tensor,
         sin: Tensor,
-        start: int,
-        mask: Tensor | None,
+        start: int | Sequence[Segment],
+        mask: Tensor | None = None,
         kv_from: int = 0,
     ) -> Tensor:
         a = self.self_attn(attn_input, cos, sin, start, mask, kv_from)

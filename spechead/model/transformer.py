@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from spechead import kernels
 from spechead.kernels.linear import PackedLinear, mkl_packing_available
 from spechead.model.config import ModelConfig
-from spechead.model.layers import Block, KVCache, RMSNorm, Rotary, ScaledEmbedding, causal_mask
+from spechead.model.layers import Block, KVCache, RMSNorm, Rotary, ScaledEmbedding, Segment, causal_mask
 
 
 class LlamaBackbone(nn.Module):
@@ -26,6 +26,18 @@ class TargetOutput:
     hidden: Tensor  # [T, d] final normed state (EAGLE-1/2 feature, LM-head input)
     logits: Tensor | None  # [T', V] for the requested rows
     aux: Tensor | None = None  # [T, 3d] inputs of layers (2, L//2, L-3) for EAGLE-3
+
+
+@dataclass
+class BatchPart:
+    """One request's rows in ``Transformer.forward_batch``: ``forward``'s arguments plus the request's cache lane."""
+
+    tokens: Tensor  # [T]
+    start: int
+    lane: int = 0
+    positions: Tensor | None = None
+    mask: Tensor | None = None
+    logits_rows: slice | Tensor | None = field(default_factory=lambda: slice(None))  # as in forward
 
 
 class Transformer(nn.Module):
@@ -44,22 +56,24 @@ class Transformer(nn.Module):
         self.rotary: Rotary | None = None
         self.local_rotary: Rotary | None = None  # the sliding-window layers' RoPE (Gemma 3), else None
         self.local = [cfg.is_local(i) for i in range(n)]
-        self.max_len = 0
+        self.max_len, self.lanes = 0, 0
 
-    def setup_cache(self, max_len: int) -> None:
-        """Allocate the KV cache (and RoPE tables) for sequences of up to ``max_len`` tokens."""
+    def setup_cache(self, max_len: int, lanes: int = 1) -> None:
+        """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
+        lane per request a batched decoder holds at once)."""
         cfg, p = self.config, self.lm_head.weight
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
-        if max_len == self.max_len:
+        if max_len == self.max_len and lanes <= self.lanes:  # lanes only grow: batch-1 decoders use lane 0
             return
-        self.max_len = max_len
+        self.max_len, self.lanes = max_len, max(lanes, self.lanes)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
         if any(self.local):
             theta, scaling = cfg.rope_local_theta, cfg.rope_local_scaling
             self.local_rotary = Rotary(cfg.head_dim, max_len, theta, scaling).to(p.device)
+        kv = (max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
         for layer in self.model.layers:
-            layer.self_attn.cache = KVCache(max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device)
+            layer.self_attn.cache = KVCache(*kv)
 
     def fuse(self) -> Transformer:
         """Fuse projections (and fold Gemma's 1 + w norms) for inference: the state dict no longer matches the
@@ -108,9 +122,9 @@ class Transformer(nn.Module):
         inside = key_pos[None, :] > positions[:, None] - w
         return kv_from, base[:, kv_from:] & inside
 
-    def move_cache(self, src_slots: Tensor, dst_start: int) -> None:
+    def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
         for layer in self.model.layers:
-            layer.self_attn.cache.move(src_slots, dst_start)
+            layer.self_attn.cache.move(src_slots, dst_start, lane)
 
     def forward(
         self,
@@ -125,27 +139,60 @@ class Transformer(nn.Module):
 
         ``logits_rows`` selects which rows get the (expensive) LM head: all by default, None for none.
         """
+        return self.forward_batch([BatchPart(tokens, start, 0, positions, mask, logits_rows)], want_aux)[0]
+
+    def forward_batch(self, parts: list[BatchPart], want_aux: bool = False) -> list[TargetOutput]:
+        """Several requests' rows in one forward, each on its own cache lane: every projection (and the LM head)
+        runs once over all rows, attention once per request as in ``forward``, so each part's output is what
+        ``forward`` would give it alone (bitwise, where the projections' kernel runs: its results do not
+        depend on the row count)."""
         if self.rotary is None:
             raise RuntimeError("call setup_cache() before forward()")
-        t = tokens.shape[0]
-        if start + t > self.max_len:
-            raise ValueError(f"sequence of {start + t} tokens exceeds the cache of {self.max_len}")
-        if positions is None:
-            positions = torch.arange(start, start + t, device=tokens.device)
-        cos, sin = self.rotary(positions)
+        segments, local_segments, positions, row0 = [], [], [], 0
+        for p in parts:
+            t = p.tokens.shape[0]
+            if p.start + t > self.max_len:
+                raise ValueError(f"sequence of {p.start + t} tokens exceeds the cache of {self.max_len}")
+            if not 0 <= p.lane < self.lanes:
+                raise ValueError(f"cache lane {p.lane} out of range: the cache has {self.lanes}")
+            pos = torch.arange(p.start, p.start + t, device=p.tokens.device) if p.positions is None else p.positions
+            segments.append(Segment(row0, t, p.start, p.mask, p.lane))
+            if self.local_rotary is not None:
+                kv_from, local_mask = self.window(p.start, pos, p.mask)
+                local_segments.append(Segment(row0, t, p.start, local_mask, p.lane, kv_from))
+            positions.append(pos)
+            row0 += t
+        one = len(parts) == 1
+        pos = positions[0] if one else torch.cat(positions)
+        cos, sin = self.rotary(pos)
         if self.local_rotary is not None:
-            local_cos, local_sin = self.local_rotary(positions)
-            kv_from, local_mask = self.window(start, positions, mask)
-        x = self.model.embed_tokens(tokens)
+            local_cos, local_sin = self.local_rotary(pos)
+        x = self.model.embed_tokens(parts[0].tokens if one else torch.cat([p.tokens for p in parts]))
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if want_aux and i in self.eagle3_layers:
                 aux[i] = x
             if self.local[i]:
-                x = layer(x, layer.input_layernorm(x), local_cos, local_sin, start, local_mask, kv_from)
+                x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments)
             else:
-                x = layer(x, layer.input_layernorm(x), cos, sin, start, mask)
+                x = layer(x, layer.input_layernorm(x), cos, sin, segments)
         h = self.model.norm(x)
-        logits = None if logits_rows is None else self.lm_head(h[logits_rows])
         fused = torch.cat([aux[i] for i in self.eagle3_layers], dim=-1) if want_aux else None
-        return TargetOutput(h, logits, fused)
+        if one:
+            logits = None if parts[0].logits_rows is None else self.lm_head(h[parts[0].logits_rows])
+            return [TargetOutput(h, logits, fused)]
+        # the LM head once over every part's selected rows
+        picks = [
+            torch.arange(s.row0, s.row0 + s.t, device=h.device)[p.logits_rows]
+            for s, p in zip(segments, parts, strict=True)
+            if p.logits_rows is not None
+        ]
+        logits = self.lm_head(h[torch.cat(picks)]).split([len(r) for r in picks]) if picks else []
+        outs, j = [], 0
+        for s, p in zip(segments, parts, strict=True):
+            rows = slice(s.row0, s.row0 + s.t)
+            part_logits = None
+            if p.logits_rows is not None:
+                part_logits, j = logits[j], j + 1
+            outs.append(TargetOutput(h[rows], part_logits, None if fused is None else fused[rows]))
+        return outs

@@ -1,0 +1,303 @@
+"""Batched speculative decoding with continuous batching: B requests in flight, one target forward a round.
+
+Each request has its own cache lane (target and drafter), prompt length, sampling settings, stop
+conditions, head state (a stateless head is shared; NanoSpec keeps one active set per request) and
+draft tree. A round: the drafter catches every speculating request up on its accepted pairs in one
+pass, drafts all their trees level by level (one drafter pass and one head call per level for all of
+them, ``tree.draft_trees``), one target forward verifies every tree (``Transformer.forward_batch``:
+the projections over all rows at once, attention per request under its own tree mask), and each
+request accepts, compacts its lane and shows its head the verified tree on its own.
+
+Requests join between rounds (``submit``; a newcomer is prefilled alone, exactly as ``Decoder`` does,
+before the round it first speculates in) and leave when they finish or are cancelled (``cancel``), which
+frees the lane for the next. Why the output is unchanged: a request's rows meet other requests' rows
+only in the projections, and spechead's kernel computes each row in one fixed order whatever the row
+count (``PackedLinear.pack`` lays the target out for the largest round); attention, acceptance and the
+sampling draws are the request's own, so each request decodes exactly as ``Decoder`` would decode it
+alone (bitwise for AR; for speculation, the acceptance rule is the same as at batch 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from spechead.decoding.decoder import GenerationResult, choose, clip_round, make_generator
+from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sampling
+from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, graft
+from spechead.errors import SpecheadError
+from spechead.heads.base import DraftHead
+from spechead.model.drafter import Drafter
+from spechead.model.layers import Segment
+from spechead.model.transformer import BatchPart, Transformer
+from spechead.timing import Timers
+
+
+@dataclass
+class BatchEvent:
+    """What a round did for one request: the tokens it committed (possibly none) and, once it finished, its
+    result."""
+
+    rid: int
+    tokens: list[int]
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Request:
+    rid: int
+    ids: Tensor
+    max_new: int
+    sampling: SamplingConfig
+    gen: torch.Generator | None
+    submitted: float
+    lane: int = -1
+    head: DraftHead | None = None
+    lookup: ContextLookup | None = None
+    length: int = 0  # tokens in the target cache; the root is not yet in it
+    root: int = 0
+    out: list[int] = field(default_factory=list)
+    feats: list[Tensor] = field(default_factory=list)  # accepted pairs the drafter has not seen yet
+    next_tokens: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    rounds: int = 0
+    cancelled: bool = False
+
+
+class BatchDecoder:
+    """Up to ``max_batch`` requests decoded together; ``drafter`` None decodes them autoregressively.
+
+    ``head``: builds a draft head (called once for a stateless head, which every request shares, and once per
+    lane for a per-request one such as NanoSpec). ``tree``: every request's tree (or chain) this run."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None = None,
+        head: Callable[[], DraftHead] | None = None,
+        tree: TreeConfig | None = None,
+        max_batch: int = 8,
+        stop_ids: list[int] | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise SpecheadError(f"max_batch must be >= 1, got {max_batch}")
+        if drafter is not None and head is None:
+            raise ValueError("a drafter needs a head")
+        if target.max_len == 0:
+            raise RuntimeError("call setup_cache() on the target first")
+        self.target, self.drafter, self.max_batch = target, drafter, max_batch
+        self.tree = tree or TreeConfig(2, 1, 4, 8)
+        self.max_len = target.max_len
+        self.stop_ids = set(stop_ids or [])
+        self.device = target.lm_head.weight.device
+        self.timers = Timers()
+        target.setup_cache(self.max_len, max_batch)
+        rows = self.tree.max_rows if drafter is not None else 1
+        target.prepack(max_batch * rows)  # the kernel for every row of the largest round: per-row results as at B=1
+        self._make_head, self._shared, self._lane_heads = head, None, {}
+        if drafter is not None:
+            drafter.setup_cache(self.max_len + self.tree.drafter_slots, max_batch)
+            first = head()
+            self._shared = None if first.per_round else first
+            if first.per_round:
+                self._lane_heads[0] = first
+        self.waiting: deque[_Request] = deque()
+        self.active: list[_Request] = []
+        self._next_rid = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(
+        self, prompt: list[int] | Tensor, max_new_tokens: int = 128, sampling: SamplingConfig | None = None
+    ) -> int:
+        """Queue a request; it joins at the next round with a free lane. Returns its id."""
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).flatten()
+        if ids.numel() == 0:
+            raise SpecheadError("empty prompt")
+        if ids.numel() >= self.max_len:
+            raise SpecheadError(f"prompt of {ids.numel()} tokens does not fit the context of {self.max_len} tokens")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.target.config.vocab_size:
+            raise SpecheadError("prompt contains token ids outside the vocabulary")
+        if max_new_tokens < 1:
+            raise SpecheadError("max_new_tokens must be >= 1")
+        cfg = sampling or SamplingConfig()
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        self.waiting.append(_Request(rid, ids, max_new_tokens, cfg, make_generator(cfg), time.perf_counter()))
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop a request: a waiting one at once, an active one at the next round (its lane is then free)."""
+        for r in list(self.waiting):
+            if r.rid == rid:
+                self.waiting.remove(r)
+        for r in self.active:
+            if r.rid == rid:
+                r.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @property
+    def occupancy(self) -> int:
+        return len(self.active)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[BatchEvent]:
+        """One round: drop cancelled requests, admit waiting ones into free lanes, then draft and verify every
+        active request's tree in one target forward."""
+        events: list[BatchEvent] = []
+        for r in [r for r in self.active if r.cancelled]:
+            events.append(self._leave(r, "cancelled"))
+        used = {r.lane for r in self.active}
+        free = [lane for lane in range(self.max_batch) if lane not in used]
+        while self.waiting and free:
+            r = self.waiting.popleft()
+            r.lane = free.pop(0)
+            events += self._join(r)
+        for r in [r for r in self.active if r.length >= self.max_len]:
+            events.append(self._leave(r, "context"))
+        if self.active:
+            events += self._round(list(self.active))
+        return events
+
+    def generate(
+        self, prompts: list[list[int] | Tensor], max_new_tokens: int = 128, sampling: SamplingConfig | None = None
+    ) -> list[GenerationResult]:
+        """Decode every prompt (up to ``max_batch`` at a time, newcomers joining as others finish); results in
+        the prompts' order."""
+        rids = [self.submit(p, max_new_tokens, sampling) for p in prompts]
+        done: dict[int, GenerationResult] = {}
+        while self.busy:
+            done.update((e.rid, e.result) for e in self.step() if e.result is not None)
+        return [done[rid] for rid in rids]
+
+    # -- joining and leaving ----------------------------------------------------------------------
+    def _head(self, lane: int) -> DraftHead:
+        if self._shared is not None:
+            return self._shared
+        if lane not in self._lane_heads:
+            self._lane_heads[lane] = self._make_head()
+        return self._lane_heads[lane]
+
+    def _join(self, r: _Request) -> list[BatchEvent]:
+        """Prefill a newcomer alone on its lane (as ``Decoder`` does) and emit its first token."""
+        t0, target, drafter = time.perf_counter(), self.target, self.drafter
+        with self.timers("prefill", self.device):
+            if drafter is None:
+                pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=slice(-1, None))])[0]
+            else:
+                r.head = self._head(r.lane)
+                rows = slice(-r.head.prompt_logit_rows(r.ids.numel(), target.config), None)
+                want_aux = drafter.arch == "eagle3"
+                pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=rows)], want_aux)[0]
+                r.head.begin(r.ids, pre.logits if r.head.needs_prompt_logits else None)
+            r.root = choose(pre.logits[-1], r.sampling, r.gen)
+        r.prefill_s, r.length = time.perf_counter() - t0, r.ids.numel()
+        if drafter is not None:
+            r.feats, r.next_tokens = [drafter.target_features(pre)], r.ids[1:].tolist() + [r.root]
+            if self.tree.lookup:
+                r.lookup = ContextLookup()
+                r.lookup.extend(r.ids.tolist() + [r.root])
+        self.active.append(r)
+        return [self._emit(r, [r.root])]
+
+    def _emit(self, r: _Request, committed: list[int], spec: bool = False) -> BatchEvent:
+        """Commit a round's tokens (clipped at a stop token or the budget); ``spec``: they came from a speculative
+        round, whose accept length is what it really emitted."""
+        new, reason = clip_round(committed, len(r.out), r.max_new, self.stop_ids)
+        r.out += new
+        if spec:
+            r.accept_lengths.append(len(new))
+        if r.lookup is not None:
+            r.lookup.extend(new)
+        if reason is not None:
+            return self._leave(r, reason, new)
+        return BatchEvent(r.rid, new)
+
+    def _leave(self, r: _Request, reason: str, new: list[int] | None = None) -> BatchEvent:
+        self.active.remove(r)
+        spec_rounds = len(r.accept_lengths)
+        stats = r.head.stats() if r.head is not None else {}
+        result = GenerationResult(
+            r.out, r.ids.numel(), reason, r.accept_lengths, {}, time.perf_counter() - r.submitted, r.prefill_s,
+            stats, {"speculative": spec_rounds, "ar": r.rounds - spec_rounds},
+        )  # fmt: skip
+        return BatchEvent(r.rid, new or [], result)
+
+    # -- a round ----------------------------------------------------------------------------------
+    def _trees(self, reqs: list[_Request]) -> list[DraftTree]:
+        """Catch the drafter up on every request's accepted pairs in one pass, then draft all their trees."""
+        drafter, dev, tm = self.drafter, self.device, self.timers
+        with tm("backbone", dev):
+            segments, tokens, feats, positions, row0 = [], [], [], [], 0
+            for r in reqs:
+                f = torch.cat(r.feats)
+                n = f.shape[0]
+                segments.append(Segment(row0, n, r.length - n, None, r.lane))
+                tokens.append(torch.tensor(r.next_tokens, device=dev))
+                feats.append(f)
+                positions.append(torch.arange(r.length - n, r.length, device=dev))
+                r.feats, r.next_tokens, row0 = [], [], row0 + n
+            h = drafter(torch.cat(tokens), torch.cat(feats), segments, torch.cat(positions), None)
+            h_last = h[torch.tensor([s.row0 + s.t - 1 for s in segments], device=dev)]
+        with tm("draft", dev):
+            n_nodes = [min(self.tree.total_tokens - 1, self.max_len - r.length - 1) for r in reqs]
+            trees = draft_trees(
+                drafter, [r.head for r in reqs], h_last, [r.root for r in reqs], [r.length for r in reqs],
+                [r.lane for r in reqs], self.tree, n_nodes,
+            )  # fmt: skip
+            for i, r in enumerate(reqs):
+                if r.lookup is not None:
+                    room = self.max_len - r.length
+                    trees[i] = graft(trees[i], r.lookup.propose(min(self.tree.lookup, room - trees[i].size)))
+        return trees
+
+    def _round(self, reqs: list[_Request]) -> list[BatchEvent]:
+        target, drafter, dev, tm = self.target, self.drafter, self.device, self.timers
+        if drafter is not None:
+            trees = self._trees(reqs)
+        else:  # AR: one node per request
+            empty = torch.empty(0, dtype=torch.long, device=dev)
+            trees = [build_tree(r.root, empty, empty, torch.empty(0, device=dev), 0) for r in reqs]
+        want_aux = drafter is not None and drafter.arch == "eagle3"
+        with tm("verify", dev):
+            parts = []
+            for r, tree in zip(reqs, trees, strict=True):
+                if drafter is None:  # exactly the batch-1 AR step
+                    parts.append(BatchPart(tree.tokens, r.length, r.lane))
+                    continue
+                mask = torch.cat([torch.ones(tree.size, r.length, dtype=torch.bool, device=dev), tree.mask], dim=1)
+                parts.append(BatchPart(tree.tokens, r.length, r.lane, tree.depth + r.length, mask))
+            outs = target.forward_batch(parts, want_aux)
+        events = []
+        for r, tree, vo in zip(reqs, trees, outs, strict=True):
+            with tm("accept", dev):
+                tokens = tree.tokens.tolist()
+                children: list[list[int]] = [[] for _ in tokens]
+                for node, par in enumerate(tree.parents[1:], start=1):
+                    children[par].append(node)
+                if r.sampling.greedy:
+                    path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
+                else:
+                    path, bonus = accept_sampling(tokens, children, vo.logits, r.sampling, r.gen)
+                if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
+                    target.move_cache(torch.tensor(path, device=dev) + r.length, r.length, r.lane)
+                committed = [tokens[n] for n in path[1:]] + [bonus]
+            r.rounds += 1
+            if drafter is not None:
+                with tm("observe", dev):
+                    r.head.observe(tree.tokens, vo.logits, committed)
+                f = drafter.target_features(vo)
+                r.feats.append(f[torch.tensor(path, device=dev)])
+                r.next_tokens += committed
+            r.length += len(committed)
+            r.root = committed[-1]
+            events.append(self._emit(r, committed, spec=drafter is not None))
+        return events
