@@ -76,13 +76,15 @@ class Served:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def serve(tmp_path_factory, *extra: str):
+    """A ``spechead serve`` process on a free loopback port (demo target, random drafter), until the test module
+    ends; the log must hold no traceback."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "spechead.cli", "serve", "--drafter", "random", "--port", str(port)]
     cmd += ["--max-len", str(MAX_LEN), "--queue-size", str(QUEUE), "--log-level", "warning", "--threads", "1"]
     with open(log, "w") as fh:
+        cmd += list(extra)
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     s = Served(proc, port, log)
 
@@ -104,6 +106,16 @@ def server(tmp_path_factory):
             proc.kill()
             proc.wait()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def batched_server(tmp_path_factory):
+    yield from serve(tmp_path_factory, "--max-batch", "4")
 
 
 @pytest.fixture(scope="module")
@@ -447,3 +459,63 @@ def test_load_32_requests_8_clients(server, reference):
         "rss_mib": {"before": round(rss0), "after": round(rss1)},
     }
     print("\nload test:", json.dumps(summary))
+
+
+def test_batched_server_concurrent_clients(batched_server, reference):
+    """--max-batch 4: twelve requests from six concurrent clients (non-streamed, streamed, dropped after two
+    deltas, a stop string, a per-request NanoSpec head): every completed answer is the greedy AR text, the
+    rounds held several requests at once, nothing is lost, memory comes back and the server goes idle."""
+    server, n_tokens = batched_server, 6
+    refs = {p: reference(p, n_tokens)[0] for p in LOAD_PROMPTS}
+    warm = server.client()
+    assert (
+        chat(warm, LOAD_PROMPTS[0], max_tokens=n_tokens, temperature=0).choices[0].message.content
+        == refs[LOAD_PROMPTS[0]]
+    )
+    wait_until(lambda: not server.health()["busy"], "idle")
+    rss0 = server.rss_mib()
+    results, lock = [], threading.Lock()
+    modes = ["json", "stream", "drop", "stop", "nanospec", "json"]
+
+    def run_client(c: int) -> None:
+        client = server.client()
+        for r in range(2):
+            prompt, mode = LOAD_PROMPTS[(c + r) % 4], modes[(c + r) % len(modes)]
+            outcome, text, want = "ok", None, refs[prompt]
+            kw = dict(max_tokens=n_tokens, temperature=0)
+            try:
+                if mode == "json":
+                    text = chat(client, prompt, **kw).choices[0].message.content
+                elif mode == "nanospec":
+                    text = chat(client, prompt, **kw, extra_body={"head": "nanospec"}).choices[0].message.content
+                elif mode == "stop":
+                    stop = want[2:4]
+                    want = want[: want.find(stop)]
+                    text = chat(client, prompt, **kw, stop=[stop]).choices[0].message.content
+                elif mode == "stream":
+                    text = stream_text(chat(client, prompt, **kw, stream=True))[0]
+                else:
+                    stream, seen = chat(client, prompt, **kw, stream=True), 0
+                    for chunk in stream:
+                        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+                        if seen == 2:
+                            break
+                    stream.close()
+                    outcome = "dropped"
+            except openai.APIStatusError as e:
+                outcome = f"http {e.status_code}"
+            with lock:
+                results.append((mode, outcome, text, want))
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(run_client, range(6)))
+    assert len(results) == 12
+    assert {o for _, o, _, _ in results} <= {"ok", "dropped"}, results  # 6 clients fit 4 lanes + a queue of 4
+    assert all(text == want for _, o, text, want in results if o == "ok"), results
+    wait_until(lambda: server.health() == {"status": "ok", "model": MODEL, "waiting": 0, "busy": False}, "idle")
+    assert server.rss_mib() - rss0 < 64
+    text = server.http.get("/metrics").text
+    assert "spechead_batch_occupancy" in text and "spechead_request_tokens_per_second_count" in text
+    assert server.metric("spechead_request_tokens_per_second_count") >= 10
+    rounds = server.metric("spechead_batch_rounds_total")
+    assert server.metric("spechead_batch_request_rounds_total") / rounds > 1.5  # rounds really were shared

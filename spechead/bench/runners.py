@@ -128,7 +128,7 @@ def build_runners(
                 runners[s.name] = engine_runner(session.decoder(), False)
                 info[s.name] = {"kind": "ar", "rss_added_mb": rss_mb() - before}
                 continue
-            drafter, where = _drafter(session, s.drafter, drafters, loaded)
+            drafter, where = method_drafter(session, s.drafter, drafters, loaded)
             head = s.head
             if s.drafter == "lowrank" and getattr(drafter, "low_rank_head", None) is None and head == "lowrank":
                 d = drafter.head_weight(session.target)[0].shape[1]
@@ -167,7 +167,7 @@ def build_runners(
     return runners, info, skipped
 
 
-def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str, Any]) -> tuple[Any, str]:
+def method_drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str, Any]) -> tuple[Any, str]:
     """(drafter, where it came from) for eagle2 / eagle3 / lowrank; ``demo`` is the drafter shipped for the
     target (a seeded random one where none ships, tau ~ 1). Where no low-rank drafter ships, ``lowrank``
     decodes the EAGLE-2 drafter when it carries a fitted low-rank head, else the EAGLE-3 drafter with an SVD
@@ -178,11 +178,11 @@ def _drafter(session: Session, kind: str, specs: dict[str, str], cache: dict[str
     arch = specs.get("arch", "eagle2") if kind == "eagle2" else "eagle3"  # --arch eagle3: 'eagle' on EAGLE-3
     target_cfg = session.target.config
     if spec == "demo" and kind == "lowrank" and shipped_drafter_path(LOWRANK_DEMO, target_cfg) is None:
-        drafter, where = _drafter(session, "eagle2", specs, cache)
+        drafter, where = method_drafter(session, "eagle2", specs, cache)
         if getattr(drafter, "low_rank_head", None) is not None:
             cache[kind] = (drafter, where + " (its fitted low-rank head)")
             return cache[kind]
-        drafter, where = _drafter(session, "eagle3", specs, cache)
+        drafter, where = method_drafter(session, "eagle3", specs, cache)
         cache[kind] = (drafter, where + " (no low-rank drafter: SVD factors of its head)")
         return cache[kind]
     if spec == "demo":

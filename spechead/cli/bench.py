@@ -8,6 +8,7 @@ projection uses ``--heads-json`` (default: the checkout's ``results/heads/llama3
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -101,10 +102,59 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise SpecheadError(f"--batch wants comma-separated batch sizes such as 1,2,4,8, got {text!r}") from None
+    if not batches or min(batches) < 1 or max(batches) > 64:
+        raise SpecheadError(f"--batch sizes must be in [1, 64], got {text!r}")
+    return batches
+
+
+def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], methods: list[str]) -> int:
+    """``bench --batch``: the batch study (first turns of the prompts, the engine's methods)."""
+    import torch
+
+    from spechead.bench.batch import format_batch_table, plot_batch_study, run_batch_study
+    from spechead.bench.harness import jsonable
+    from spechead.tuning.measure import cpu_name
+
+    batches = parse_batches(args.batch)
+    tree = None if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
+    specs = check_methods(methods, tree)
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    session = open_session(args.target, args.max_len, compile=args.compile)
+    ids = [session.encode(p["turns"][0]) for p in prompts]
+    drafters = {"arch": args.arch}
+    drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
+    out = run_batch_study(
+        session, ids, specs, batches, drafters, args.max_new_tokens, sampling, tree, repeats=args.repeats
+    )
+    out["config"] = {
+        "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+        "cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})", "suite": args.suite,
+        "tree": args.tree, "repeats": args.repeats, "command": "spechead " + shlex.join(sys.argv[1:]),
+    }  # fmt: skip
+    print(format_batch_table(out))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(jsonable(out), indent=1, allow_nan=False))
+    if args.report:
+        folder = Path(args.report)
+        folder.mkdir(parents=True, exist_ok=True)
+        plot_batch_study(out, folder / "batch_tokens_per_s.png")
+        text = f"# Batch study\n\n`{out['config']['command']}`\n\n![](batch_tokens_per_s.png)\n\n```\n"
+        (folder / "report.md").write_text(text + format_batch_table(out) + "\n```\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     cats = args.categories.split(",") if args.categories else None
     prompts = round_robin(load_suite(args.suite, args.limit, cats, args.limit_mt, eval_dir_of(args)))
     methods = expand_methods(args.methods)
+    if args.batch:
+        return cmd_batch_study(args, prompts, methods)
     if not methods:
         raise SpecheadError("no methods given")
     tree = AUTO_TREE if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
@@ -171,6 +221,13 @@ def add_cli(sub) -> None:
     b.add_argument(
         "--no-guard", action="store_true", help="speculate every round (no fallback to AR when slower): raw speed"
     )
+    b.add_argument(
+        "--batch",
+        default=None,
+        help="the batch study: comma-separated batch sizes (e.g. 1,2,4,8,16); every method on the batched decoder, "
+        "first turns only, tree per batch size by spechead.bench.batch.batch_tree unless --tree/@TREE is given",
+    )
+    b.add_argument("--repeats", type=int, default=3, help="--batch: timed passes per method, interleaved (median)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
     b.set_defaults(func=cmd_bench)

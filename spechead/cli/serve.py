@@ -17,7 +17,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = build_worker(args)
     print(
         f"[spechead] serving {worker.model_name} (drafter {args.drafter}, head {args.head}) on "
-        f"http://{args.host}:{args.port}/v1  queue {args.queue_size}, time limit {args.timeout:g} s",
+        f"http://{args.host}:{args.port}/v1  queue {args.queue_size}, batch {args.max_batch}, "
+        f"time limit {args.timeout:g} s",
         flush=True,
     )
     config = uvicorn.Config(
@@ -39,7 +40,13 @@ def add_cli(sub) -> None:
     add_tree(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one decodes")
+    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while others decode")
+    s.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="requests decoded together (continuous batching; 1: one at a time, the others wait)",
+    )
     s.add_argument("--timeout", type=float, default=300.0, help="per-request time limit in seconds, from arrival")
     s.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     add_max_len(s)

@@ -37,6 +37,23 @@ from spechead.model.layers import Segment
 from spechead.model.transformer import BatchPart, Transformer
 from spechead.timing import Timers
 
+ROW_BUDGET = 16  # verified rows a round aims at: the kernel's cheap range on the 2-core CPUs (batch_tree)
+
+
+def batch_tree(tree: TreeConfig, batch: int, budget: int = ROW_BUDGET) -> TreeConfig | None:
+    """The tree each request drafts in a round of ``batch`` requests (None: the round decodes autoregressively).
+
+    Why it shrinks: on a CPU a verification row costs compute once a round holds more than a few rows in total
+    (the demo target on 2 cores, AMD EPYC Zen 4: 8 rows cost 1.8x one row, 48 rows 4.2x), so the rows a round can
+    spend on drafts that may be rejected fall as requests share it. Each request gets ``budget // batch`` rows:
+    ``tree`` where it fits, else a one-token draft plus a lookup branch filling the share, none below two rows."""
+    rows = budget // batch
+    if rows >= tree.max_rows:
+        return tree
+    if rows < 2:
+        return None
+    return TreeConfig(1, 0, 2, lookup=min(rows - 2, tree.lookup))
+
 
 @dataclass
 class BatchEvent:
@@ -74,14 +91,16 @@ class BatchDecoder:
     """Up to ``max_batch`` requests decoded together; ``drafter`` None decodes them autoregressively.
 
     ``head``: builds a draft head (called once for a stateless head, which every request shares, and once per
-    lane for a per-request one such as NanoSpec). ``tree``: every request's tree (or chain) this run."""
+    lane for a per-request one such as NanoSpec). ``tree``: every request's tree (or chain), or a rule giving the
+    tree for the number of requests in a round (None: that round decodes autoregressively; the caches and the
+    kernel's row reach are sized for the largest round the rule gives)."""
 
     def __init__(
         self,
         target: Transformer,
         drafter: Drafter | None = None,
         head: Callable[[], DraftHead] | None = None,
-        tree: TreeConfig | None = None,
+        tree: TreeConfig | Callable[[int], TreeConfig | None] | None = None,
         max_batch: int = 8,
         stop_ids: list[int] | None = None,
     ) -> None:
@@ -92,17 +111,21 @@ class BatchDecoder:
         if target.max_len == 0:
             raise RuntimeError("call setup_cache() on the target first")
         self.target, self.drafter, self.max_batch = target, drafter, max_batch
-        self.tree = tree or TreeConfig(2, 1, 4, 8)
+        fixed = tree if isinstance(tree, TreeConfig) else TreeConfig(2, 1, 4, 8)
+        self.tree_for: Callable[[int], TreeConfig | None] = tree if callable(tree) else lambda n: fixed
+        shapes = [(n, self.tree_for(n)) for n in range(1, max_batch + 1)]
+        self.uses_lookup = any(t is not None and t.lookup for _, t in shapes)
         self.max_len = target.max_len
         self.stop_ids = set(stop_ids or [])
         self.device = target.lm_head.weight.device
         self.timers = Timers()
         target.setup_cache(self.max_len, max_batch)
-        rows = self.tree.max_rows if drafter is not None else 1
-        target.prepack(max_batch * rows)  # the kernel for every row of the largest round: per-row results as at B=1
+        rows = max([n * t.max_rows for n, t in shapes if t is not None] + [max_batch]) if drafter is not None else 1
+        target.prepack(max(rows, max_batch))  # the kernel for every row of the largest round: rows as at B=1
         self._make_head, self._shared, self._lane_heads = head, None, {}
         if drafter is not None:
-            drafter.setup_cache(self.max_len + self.tree.drafter_slots, max_batch)
+            slots = max([t.drafter_slots for _, t in shapes if t is not None] + [0])
+            drafter.setup_cache(self.max_len + slots, max_batch)
             first = head()
             self._shared = None if first.per_round else first
             if first.per_round:
@@ -113,9 +136,15 @@ class BatchDecoder:
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(
-        self, prompt: list[int] | Tensor, max_new_tokens: int = 128, sampling: SamplingConfig | None = None
+        self,
+        prompt: list[int] | Tensor,
+        max_new_tokens: int = 128,
+        sampling: SamplingConfig | None = None,
+        head: DraftHead | None = None,
     ) -> int:
-        """Queue a request; it joins at the next round with a free lane. Returns its id."""
+        """Queue a request; it joins at the next round with a free lane. Returns its id. ``head``: the request's
+        own draft head (one object shared with other requests where it keeps no per-request state; a fresh one
+        where it does), else the decoder's."""
         ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).flatten()
         if ids.numel() == 0:
             raise SpecheadError("empty prompt")
@@ -127,7 +156,8 @@ class BatchDecoder:
             raise SpecheadError("max_new_tokens must be >= 1")
         cfg = sampling or SamplingConfig()
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        self.waiting.append(_Request(rid, ids, max_new_tokens, cfg, make_generator(cfg), time.perf_counter()))
+        request = _Request(rid, ids, max_new_tokens, cfg, make_generator(cfg), time.perf_counter(), head=head)
+        self.waiting.append(request)
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -193,7 +223,7 @@ class BatchDecoder:
             if drafter is None:
                 pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=slice(-1, None))])[0]
             else:
-                r.head = self._head(r.lane)
+                r.head = r.head or self._head(r.lane)
                 rows = slice(-r.head.prompt_logit_rows(r.ids.numel(), target.config), None)
                 want_aux = drafter.arch == "eagle3"
                 pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=rows)], want_aux)[0]
@@ -202,7 +232,7 @@ class BatchDecoder:
         r.prefill_s, r.length = time.perf_counter() - t0, r.ids.numel()
         if drafter is not None:
             r.feats, r.next_tokens = [drafter.target_features(pre)], r.ids[1:].tolist() + [r.root]
-            if self.tree.lookup:
+            if self.uses_lookup:
                 r.lookup = ContextLookup()
                 r.lookup.extend(r.ids.tolist() + [r.root])
         self.active.append(r)
@@ -232,7 +262,7 @@ class BatchDecoder:
         return BatchEvent(r.rid, new or [], result)
 
     # -- a round ----------------------------------------------------------------------------------
-    def _trees(self, reqs: list[_Request]) -> list[DraftTree]:
+    def _trees(self, reqs: list[_Request], shape: TreeConfig) -> list[DraftTree]:
         """Catch the drafter up on every request's accepted pairs in one pass, then draft all their trees."""
         drafter, dev, tm = self.drafter, self.device, self.timers
         with tm("backbone", dev):
@@ -248,29 +278,30 @@ class BatchDecoder:
             h = drafter(torch.cat(tokens), torch.cat(feats), segments, torch.cat(positions), None)
             h_last = h[torch.tensor([s.row0 + s.t - 1 for s in segments], device=dev)]
         with tm("draft", dev):
-            n_nodes = [min(self.tree.total_tokens - 1, self.max_len - r.length - 1) for r in reqs]
+            n_nodes = [min(shape.total_tokens - 1, self.max_len - r.length - 1) for r in reqs]
             trees = draft_trees(
                 drafter, [r.head for r in reqs], h_last, [r.root for r in reqs], [r.length for r in reqs],
-                [r.lane for r in reqs], self.tree, n_nodes,
+                [r.lane for r in reqs], shape, n_nodes,
             )  # fmt: skip
             for i, r in enumerate(reqs):
-                if r.lookup is not None:
+                if r.lookup is not None and shape.lookup:
                     room = self.max_len - r.length
-                    trees[i] = graft(trees[i], r.lookup.propose(min(self.tree.lookup, room - trees[i].size)))
+                    trees[i] = graft(trees[i], r.lookup.propose(min(shape.lookup, room - trees[i].size)))
         return trees
 
     def _round(self, reqs: list[_Request]) -> list[BatchEvent]:
         target, drafter, dev, tm = self.target, self.drafter, self.device, self.timers
-        if drafter is not None:
-            trees = self._trees(reqs)
-        else:  # AR: one node per request
+        shape = self.tree_for(len(reqs)) if drafter is not None else None
+        if shape is not None:
+            trees = self._trees(reqs, shape)
+        else:  # AR: one node per request (with a drafter, its pairs wait for the next speculative round)
             empty = torch.empty(0, dtype=torch.long, device=dev)
             trees = [build_tree(r.root, empty, empty, torch.empty(0, device=dev), 0) for r in reqs]
         want_aux = drafter is not None and drafter.arch == "eagle3"
         with tm("verify", dev):
             parts = []
             for r, tree in zip(reqs, trees, strict=True):
-                if drafter is None:  # exactly the batch-1 AR step
+                if shape is None:  # exactly the batch-1 AR step
                     parts.append(BatchPart(tree.tokens, r.length, r.lane))
                     continue
                 mask = torch.cat([torch.ones(tree.size, r.length, dtype=torch.bool, device=dev), tree.mask], dim=1)
@@ -291,13 +322,13 @@ class BatchDecoder:
                     target.move_cache(torch.tensor(path, device=dev) + r.length, r.length, r.lane)
                 committed = [tokens[n] for n in path[1:]] + [bonus]
             r.rounds += 1
-            if drafter is not None:
+            if drafter is not None:  # an AR round too: the head sees a one-node tree, the drafter gets its pair
                 with tm("observe", dev):
                     r.head.observe(tree.tokens, vo.logits, committed)
                 f = drafter.target_features(vo)
-                r.feats.append(f[torch.tensor(path, device=dev)])
+                r.feats.append(f if shape is None else f[torch.tensor(path, device=dev)])
                 r.next_tokens += committed
             r.length += len(committed)
             r.root = committed[-1]
-            events.append(self._emit(r, committed, spec=drafter is not None))
+            events.append(self._emit(r, committed, spec=shape is not None))
         return events

@@ -142,12 +142,26 @@ def draft_tree(
 
 def heads_topk(heads: list[DraftHead], h: Tensor, counts: list[int], k: int) -> list[tuple[Tensor, Tensor]]:
     """Top-k of the draft distribution for several requests' rows (``counts`` rows each, packed in ``h``): one
-    call over all of them where they share one head (a stateless head), else one call per request's own head
-    (NanoSpec's per-request active set). Per request: (log-probs [rows, k'], target ids [rows, k'])."""
+    call over the rows of every request that shares a head (a stateless head is one object for all), one per
+    request that has its own (NanoSpec's per-request active set). Per request: (log-probs [rows, k'], ids)."""
     if all(x is heads[0] for x in heads):
         logp, ids = heads[0].topk(h, k)
         return list(zip(logp.split(counts), ids.split(counts), strict=True)) if len(counts) > 1 else [(logp, ids)]
-    return [head.topk(rows, k) for head, rows in zip(heads, h.split(counts), strict=True)]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    groups: dict[int, list[int]] = {}
+    for i, head in enumerate(heads):
+        groups.setdefault(id(head), []).append(i)
+    out: list[tuple[Tensor, Tensor]] = [None] * len(heads)  # type: ignore[list-item]
+    for members in groups.values():
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=h.device) for i in members])
+        logp, ids = heads[members[0]].topk(h[rows], k)
+        for i, lp, ix in zip(
+            members, logp.split([counts[i] for i in members]), ids.split([counts[i] for i in members]), strict=True
+        ):
+            out[i] = (lp, ix)
+    return out
 
 
 @dataclass

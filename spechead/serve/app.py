@@ -288,4 +288,9 @@ def build_worker(args) -> DecodeWorker:
     session = open_session(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     name = args.served_model_name or target_label(args.target)
-    return DecodeWorker(session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name)
+    common = (session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name)
+    if getattr(args, "max_batch", 1) > 1:
+        from spechead.serve.batch_worker import BatchWorker
+
+        return BatchWorker(*common, max_batch=args.max_batch)
+    return DecodeWorker(*common)

@@ -23,6 +23,14 @@ class Metrics:
         )
         self.waiting = Gauge("spechead_queue_waiting", "Requests waiting for the decoder", registry=r)
         self.busy = Gauge("spechead_busy", "1 while a request is decoding", registry=r)
+        self.batch_occupancy = Gauge("spechead_batch_occupancy", "Requests in the last batched round", registry=r)
+        self.batch_rounds = Counter("spechead_batch_rounds", "Batched rounds run", registry=r)
+        self.batch_request_rounds = Counter(
+            "spechead_batch_request_rounds", "Requests summed over batched rounds", registry=r
+        )
+        self.request_tokens_per_s = Summary(
+            "spechead_request_tokens_per_second", "Output tokens per second of decoding, per request", registry=r
+        )
         self.latency = Histogram(
             "spechead_request_seconds",
             "Arrival to last token",

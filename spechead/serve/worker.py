@@ -141,7 +141,14 @@ class DecodeWorker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.decoding > 0
+
+    capacity = 1  # requests decoded at once
+
+    @property
+    def decoding(self) -> int:
+        """Requests being decoded now (one here; up to ``--max-batch`` in ``BatchWorker``)."""
+        return int(self._running is not None)
 
     @property
     def alive(self) -> bool:
@@ -152,9 +159,9 @@ class DecodeWorker:
         with self._cv:
             if self._closed:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            in_flight = len(self._waiting) + (self._running is not None)
-            if in_flight > self.queue_size:
-                retry = max(1, math.ceil(self._service_s * in_flight))
+            in_flight = len(self._waiting) + self.decoding
+            if in_flight > self.queue_size + self.capacity - 1:
+                retry = max(1, math.ceil(self._service_s * in_flight / self.capacity))
                 raise ApiError(
                     503,
                     f"server busy: {len(self._waiting)} requests already waiting; retry in {retry} s",
