@@ -131,9 +131,13 @@ def run_load(url: str, prompts: list[str], clients: int, rounds: int, max_tokens
         "tokens_per_s": sum(r["tokens"] for r in done) / wall,
         "latency_p50_s": pct(0.5),
         "latency_p99_s": pct(0.99),
-        "ttft_p50_s": sorted(r["ttft_s"] for r in done if r["ttft_s"])[len(done) // 2] if done else None,
+        "ttft_p50_s": _median([r["ttft_s"] for r in done if r["ttft_s"]]),
         "results": results,
     }
+
+
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from spechead.errors import SpecheadError
 
-MAX_ROWS = 16  # the largest verification the tuner considers (PackedLinear.KERNEL_ROWS: the kernel's default reach)
+MAX_ROWS = 16  # the largest verification the tuner considers
 DRAFTER_ROWS = 10  # catch-up passes: the tokens a round committed (up to a full lookup branch + the bonus)
 
 
