@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spechead.decoding.decoder import GenerationResult, choose, clip_round, make_generator
+from spechead.decoding.decoder import GenerationResult, check_prompt, choose, clip_round, make_generator
 from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sampling
 from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, graft
 from spechead.errors import SpecheadError
@@ -145,13 +145,7 @@ class BatchDecoder:
         """Queue a request; it joins at the next round with a free lane. Returns its id. ``head``: the request's
         own draft head (one object shared with other requests where it keeps no per-request state; a fresh one
         where it does), else the decoder's."""
-        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).flatten()
-        if ids.numel() == 0:
-            raise SpecheadError("empty prompt")
-        if ids.numel() >= self.max_len:
-            raise SpecheadError(f"prompt of {ids.numel()} tokens does not fit the context of {self.max_len} tokens")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.target.config.vocab_size:
-            raise SpecheadError("prompt contains token ids outside the vocabulary")
+        ids = check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
         if max_new_tokens < 1:
             raise SpecheadError("max_new_tokens must be >= 1")
         cfg = sampling or SamplingConfig()

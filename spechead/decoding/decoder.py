@@ -49,6 +49,18 @@ class GenerationResult:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
 
 
+def check_prompt(prompt: list[int] | Tensor, max_len: int, vocab_size: int, device: torch.device) -> Tensor:
+    """A request's prompt as ids [T], or a user error: empty, too long for the context, ids outside the vocabulary."""
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()
+    if ids.numel() == 0:
+        raise SpecheadError("empty prompt")
+    if ids.numel() >= max_len:
+        raise SpecheadError(f"prompt of {ids.numel()} tokens does not fit the context of {max_len} tokens")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise SpecheadError("prompt contains token ids outside the vocabulary")
+    return ids
+
+
 def choose(logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
     """The target's token from one row of logits: its argmax, or a draw from its sampling distribution."""
     return int(logits.argmax()) if cfg.greedy else sample(target_probs(logits, cfg), gen)
@@ -114,14 +126,7 @@ class Decoder:
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
-        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).flatten()
-        if ids.numel() == 0:
-            raise SpecheadError("empty prompt")
-        if ids.numel() >= self.max_len:
-            raise SpecheadError(f"prompt of {ids.numel()} tokens does not fit the context of {self.max_len} tokens")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.target.config.vocab_size:
-            raise SpecheadError("prompt contains token ids outside the vocabulary")
-        return ids
+        return check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
 
     def _choose(self, logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
         return choose(logits, cfg, gen)
