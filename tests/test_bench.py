@@ -303,6 +303,6 @@ def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypat
     monkeypatch.setattr(bench, "shipped_drafter_path", lambda arch="eagle2", target=None: None)
     session, cache = SimpleNamespace(target=tiny_target), {}
     specs = {"eagle2": "random", "eagle3": "random", "lowrank": "demo"}
-    low, where = bench._drafter(session, "lowrank", specs, cache)
-    assert low is bench._drafter(session, "eagle3", specs, cache)[0] and "SVD" in where
-    assert low.arch == "eagle3" and bench._drafter(session, "eagle2", specs, cache)[0].arch == "eagle2"
+    low, where = bench.method_drafter(session, "lowrank", specs, cache)
+    assert low is bench.method_drafter(session, "eagle3", specs, cache)[0] and "SVD" in where
+    assert low.arch == "eagle3" and bench.method_drafter(session, "eagle2", specs, cache)[0].arch == "eagle2"

@@ -203,7 +203,7 @@ def test_bench_resolves_auto_once_per_drafter_and_head_and_records_the_tree(tiny
     from spechead.cli.bench import format_table
 
     session, drafter = tiny
-    monkeypatch.setattr(bench, "_drafter", lambda *a: (drafter, "random eagle2 (seed 0)"))
+    monkeypatch.setattr(bench, "method_drafter", lambda *a: (drafter, "random eagle2 (seed 0)"))
     specs = check_methods(["ar", "eagle", "nanospec", "fr", "nanospec@2x2x5"], None)
     assert [s.tree for s in specs] == [None, None, None, None, TreeConfig(2, 2, 5)]
     runners, info, skipped = bench.build_runners(session, specs, {}, log=lambda msg: None)
