@@ -83,6 +83,8 @@ def serve(tmp_path_factory, *extra: str):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "spechead.cli", "serve", "--drafter", "random", "--port", str(port)]
     cmd += ["--max-len", str(MAX_LEN), "--queue-size", str(QUEUE), "--log-level", "warning", "--threads", "1"]
+    # a fixed tree: tuning at startup (--tree auto) takes 1,800 AR steps, minutes on the portable kernel path
+    cmd += ["--tree", "2x1x4+lookup:8"]
     with open(log, "w") as fh:
         cmd += list(extra)
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
