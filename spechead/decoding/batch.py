@@ -120,7 +120,7 @@ class BatchDecoder:
         self.device = target.lm_head.weight.device
         self.timers = Timers()
         target.setup_cache(self.max_len, max_batch)
-        rows = max([n * t.max_rows for n, t in shapes if t is not None] + [max_batch]) if drafter is not None else 1
+        rows = max((n * t.max_rows for n, t in shapes if t is not None), default=1) if drafter is not None else 1
         target.prepack(max(rows, max_batch))  # the kernel for every row of the largest round: rows as at B=1
         self._make_head, self._shared, self._lane_heads = head, None, {}
         if drafter is not None:
