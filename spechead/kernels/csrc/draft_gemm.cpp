@@ -36,9 +36,6 @@
 #if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
 #include <immintrin.h>
 #endif
-#if defined(__linux__)
-#include <unistd.h>
-#endif
 
 #ifndef SPECHEAD_NS
 #error "build with -DSPECHEAD_NS=<op namespace> (kernels.py does)"
@@ -60,11 +57,15 @@ inline float bits_to_float(uint32_t bits) {
 }
 inline float bf16_to_float(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
 
-inline void prefetch(const void* p) {
+inline void prefetch(const void* p, bool far = false) {  // far: into L2 only
 #if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
+  if (far)
+    __builtin_prefetch(p, 0, 2);
+  else
+    __builtin_prefetch(p, 0, 3);
 #else
   (void)p;
+  (void)far;
 #endif
 }
 
@@ -250,7 +251,7 @@ constexpr int vecs_per_tile() {
 #endif
 }
 
-// Rows one tile takes before its accumulators would spill; more rows are split into equal chunks.
+// Rows one tile takes before its accumulators would spill.
 template <typename T>
 constexpr int max_tile_rows() {
   int m = 16;
@@ -258,15 +259,33 @@ constexpr int max_tile_rows() {
   return m;
 }
 
+// Rows per chunk: more rows are split into equal chunks of at most this many. With 16 vector registers, fp32
+// chunks of 6 rows (tiles of 6 rows x 2 vectors: 12 FMAs per 6 broadcasts) beat one tile of up to 13 rows x 1
+// vector (one FMA per broadcast): 85 % against 61 % of the FMA peak with weights in L1, and 0.81-0.93x the time
+// of 8-16 row products streamed from DRAM; bf16 chunks of 4 rows (2-vector tiles) measured even with the old
+// chunks of up to 11 (AMD EPYC Zen 3, AVX2, 2 threads; results/bench/zen3/README.md).
+template <typename T>
+constexpr int chunk_rows() {
+  return kRegs == 16 ? (std::is_same_v<T, float> ? 6 : 4) : max_tile_rows<T>();
+}
+
 // Software prefetch distance in k steps (64 bytes of a block each): 2 KB ahead. The hardware prefetcher alone
 // left a cold 10-row call at 1.3-1.4x the bytes floor on the AVX-512 machine; 32 measured best (8-128 tried).
 constexpr int64_t kPrefetch = 32;
+// Several row chunks go over the weights a panel of this many k steps at a time (4 KB of a block), every chunk
+// while the panel is in L1; the chunks after the first prefetch the next panel into L2, so DRAM keeps streaming
+// while they compute.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kPanelBlocks = 2;  // blocks per panel group: up to 4 vectors of 8 lanes side by side
 
-// M input rows x NV vectors of consecutive outputs starting at vector u0. xt is x transposed: [K][ldx] fp32.
-// Vector u covers outputs [u W, u W + W): block u / kVecsPerBlock, lanes (u % kVecsPerBlock) W on; its weights
-// for step j (a k-pair in bf16, one k in fp32) are 64 bytes after those of step j - 1.
+// M input rows x NV vectors of consecutive outputs starting at vector u0, over k steps [j0, j1). xt is x
+// transposed: [K][ldx] fp32. Vector u covers outputs [u W, u W + W): block u / kVecsPerBlock, lanes
+// (u % kVecsPerBlock) W on; its weights for step j (a k-pair in bf16, one k in fp32) are 64 bytes after those of
+// step j - 1. From j0 > 0 the accumulators continue from y (a stored fp32 is reloaded exactly, so every output
+// is still one fixed chain of FMAs over k). Prefetch: pf steps ahead into L1, or with `far` into L2.
 template <int M, int NV, typename T>
-void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float* y, int64_t ldy) {
+void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float* y, int64_t ldy, int64_t j0,
+          int64_t j1, int64_t pf, bool far) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   constexpr int64_t step = bf16 ? 2 * kLanes : kLanes;  // elements of T per k step of a block
   const int64_t block = K * kLanes;
@@ -277,13 +296,12 @@ void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float
   }
   Vec acc[M][NV];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = vzero();
-  const int64_t steps = bf16 ? K / 2 : K;
-  for (int64_t j = 0; j < steps; ++j) {
+    for (int v = 0; v < NV; ++v) acc[m][v] = j0 ? vload(y + m * ldy + (u0 + v) * W) : vzero();
+  for (int64_t j = j0; j < j1; ++j) {
     if constexpr (bf16) {
       Vec we[NV], wo[NV];
       for (int v = 0; v < NV; ++v) {
-        prefetch(p[v] + (j + kPrefetch) * step);
+        prefetch(p[v] + (j + pf) * step, far);
         vload_pairs(p[v] + j * step, we[v], wo[v]);
       }
       const float* xe = xt + 2 * j * ldx;
@@ -295,7 +313,7 @@ void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float
     } else {
       Vec wv[NV];
       for (int v = 0; v < NV; ++v) {
-        prefetch(p[v] + (j + kPrefetch) * step);
+        prefetch(p[v] + (j + pf) * step, far);
         wv[v] = vload(p[v] + j * step);
       }
       const float* xk = xt + j * ldx;
@@ -310,15 +328,17 @@ void tile(const float* xt, int64_t ldx, const T* w, int64_t K, int64_t u0, float
 }
 
 template <typename T>
-using RangeFn = void (*)(const float*, int64_t, const T*, int64_t, float*, int64_t, int64_t, int64_t);
+using RangeFn = void (*)(const float*, int64_t, const T*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, bool);
 
-// Vectors [u0, u1) for M rows: tiles of NV vectors, then single vectors for the remainder.
+// Vectors [u0, u1) for M rows over k steps [j0, j1): tiles of NV vectors, then single vectors for the remainder.
 template <int M, typename T>
-void range(const float* xt, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy, int64_t u0, int64_t u1) {
+void range(const float* xt, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy, int64_t u0, int64_t u1,
+           int64_t j0, int64_t j1, int64_t pf, bool far) {
   constexpr int NV = vecs_per_tile<M, T>();
   int64_t u = u0;
-  for (; u + NV <= u1; u += NV) tile<M, NV>(xt, ldx, w, K, u, y, ldy);
-  for (; u < u1; ++u) tile<M, 1>(xt, ldx, w, K, u, y, ldy);
+  for (; u + NV <= u1; u += NV) tile<M, NV>(xt, ldx, w, K, u, y, ldy, j0, j1, pf, far);
+  for (; u < u1; ++u) tile<M, 1>(xt, ldx, w, K, u, y, ldy, j0, j1, pf, far);
 }
 
 template <typename T, int... I>
@@ -326,31 +346,27 @@ constexpr std::array<RangeFn<T>, sizeof...(I)> range_table(std::integer_sequence
   return {range<I + 1, T>...};  // range<M> at index M - 1
 }
 
-// Bytes of weights a thread keeps in its L2 while every row chunk of x passes over them (half the L2).
-int64_t l2_group_bytes() {
-  static const int64_t bytes = [] {
-    int64_t l2 = 0;
-#if defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    return l2 > 0 ? std::max<int64_t>(l2 / 2, 128 << 10) : int64_t{256 << 10};
-  }();
-  return bytes;
-}
-
-// Blocks [b0, b1) for all M rows: chunks of equal size (at most max_tile_rows), a group of blocks at a time so
-// the group's weights come from DRAM once and from L2 for the later chunks.
+// Blocks [b0, b1) for all M rows. One chunk: each tile runs over all of K. Several chunks of equal size (at most
+// chunk_rows): a group of kPanelBlocks blocks and kPanel k steps at a time, every chunk over that panel, so the
+// weights come from DRAM once and from L1 for the later chunks, which prefetch the next panel meanwhile.
 template <typename T>
 void run_chunks(const float* xt, int64_t M, const T* w, int64_t K, float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  static constexpr int kMax = max_tile_rows<T>();
-  static constexpr auto table = range_table<T>(std::make_integer_sequence<int, kMax>{});
-  const int64_t chunks = (M + kMax - 1) / kMax, rows = (M + chunks - 1) / chunks;
-  const int64_t group = std::max<int64_t>(1, l2_group_bytes() / (K * kLanes * static_cast<int64_t>(sizeof(T))));
-  for (int64_t g0 = b0; g0 < b1; g0 += group) {
-    const int64_t g1 = std::min(g0 + group, b1);
-    for (int64_t m0 = 0; m0 < M; m0 += rows) {
-      const int64_t mc = std::min<int64_t>(rows, M - m0);
-      table[mc - 1](xt + m0, M, w, K, y + m0 * ldy, ldy, g0 * kVecsPerBlock, g1 * kVecsPerBlock);
+  static constexpr auto table = range_table<T>(std::make_integer_sequence<int, max_tile_rows<T>()>{});
+  const int64_t chunks = (M + chunk_rows<T>() - 1) / chunk_rows<T>(), rows = (M + chunks - 1) / chunks;
+  const int64_t steps = std::is_same_v<T, uint16_t> ? K / 2 : K;
+  if (chunks == 1) {
+    table[M - 1](xt, M, w, K, y, ldy, b0 * kVecsPerBlock, b1 * kVecsPerBlock, 0, steps, kPrefetch, false);
+    return;
+  }
+  for (int64_t g0 = b0; g0 < b1; g0 += kPanelBlocks) {
+    const int64_t u0 = g0 * kVecsPerBlock, u1 = std::min(g0 + kPanelBlocks, b1) * kVecsPerBlock;
+    for (int64_t j0 = 0; j0 < steps; j0 += kPanel) {
+      const int64_t j1 = std::min(j0 + kPanel, steps);
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t mc = std::min<int64_t>(rows, M - m0);
+        const bool first = m0 == 0;
+        table[mc - 1](xt + m0, M, w, K, y + m0 * ldy, ldy, u0, u1, j0, j1, first ? kPrefetch : kPanel, !first);
+      }
     }
   }
 }
