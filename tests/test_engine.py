@@ -12,6 +12,7 @@ from spechead.errors import SpecheadError
 from spechead.heads.full import FullHead
 from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import random_drafter
+from spechead.model.layers import Segment
 from spechead.model.loading import load_target
 
 TREES = [
@@ -79,6 +80,35 @@ def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):
     with torch.inference_mode():
         for m in (target.lm_head, target.model.layers[0].mlp.gate_up_proj):
             assert torch.equal(m(x), torch.cat([m(x[i : i + 1]) for i in range(24)]))
+
+
+def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tiny_dir):
+    """The one-op decoder layer computes what the modules do, bitwise; and a tree verification's row is bitwise
+    the decode step it stands for (projections, attention and MLP all computing a row on its own)."""
+    if not kernels.available():
+        pytest.skip("spechead's kernel is not built on this machine")
+    target = make_decoder(tiny_dir, tree=TREES[0]).target
+    start, g = 40, torch.Generator().manual_seed(3)
+    ids = torch.randint(0, target.config.vocab_size, (start + 4,), generator=g)
+    # a tree of 4 nodes: 0 -> 1 -> 3 is a branch, 2 a sibling of 1
+    depth = torch.tensor([0, 1, 1, 2])
+    mask = torch.ones(4, start + 4, dtype=torch.bool)
+    mask[:, start:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    runs = {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            target(ids[:start], 0, logits_rows=None)
+            target._fused = None if fused else []  # [] keeps the modules
+            assert (
+                target._fused_layers(target.model.embed_tokens(ids[:1]), [Segment(0, 1, 0)], *target.rotary(depth[:1]))
+                is not None
+            ) == fused
+            tree = target(ids[start:], start, positions=start + depth, mask=mask).logits
+            steps = [target(ids[start + i : start + i + 1], start + n).logits[0] for n, i in enumerate([0, 1, 3])]
+            runs[fused] = (tree, steps)
+            target._fused = None
+            assert torch.equal(torch.stack(steps), tree[[0, 1, 3]])
+    assert torch.equal(runs[True][0], runs[False][0])
 
 
 def test_eagle3_on_deeper_target(tiny_dir):

@@ -193,3 +193,99 @@ def test_rope_is_the_tensor_version(isa):
     half = 32
     want = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
     assert torch.equal(kernels.library(isa).rope(x, cos, sin), want)
+
+
+def _attention_case(g: torch.Generator, T: int, start: int, heads: int = 6, kv: int = 2, d: int = 64):
+    q, k, v = (torch.randn(T, n * d, generator=g) for n in (heads, kv, kv))
+    pos = torch.arange(start, start + T)
+    from spechead.model.layers import Rotary
+
+    cos, sin = Rotary(d, 512, 10000.0)(pos)
+    caches = [torch.randn(3, kv, 512, d, generator=g) for _ in range(2)]
+    return q, k, v, cos, sin, caches
+
+
+@ISAS
+@pytest.mark.parametrize("d", [64, 128, 20])
+def test_attend_is_attention_over_the_visible_slots(isa, d):
+    """RoPE, the cache write and masked grouped-query attention: SDPA's result (to rounding), the cache holding
+    the roped keys and the values at the rows' slots, and nothing else touched."""
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(11)
+    T, start, lane, heads, kv = 5, 37, 1, 6, 2
+    q, k, v, cos, sin, (kc, vc) = _attention_case(g, T, start, heads, kv, d)
+    mask = torch.rand(T, start + T, generator=g) < 0.7
+    mask[:, start:] &= torch.ones(T, T, dtype=torch.bool).tril()
+    mask[torch.arange(T), start + torch.arange(T)] = True  # each row sees itself
+    kc0, vc0 = kc.clone(), vc.clone()
+    for m in (mask, None):
+        got = lib.attend(q, k, v, cos, sin, kc, vc, lane, start, m, 0, 0.3)
+        rope = lambda t, n: lib.rope(t.view(T, n, d).contiguous(), cos, sin).transpose(0, 1)  # noqa: E731
+        keys = torch.cat([kc0[lane, :, :start], rope(k, kv)], dim=1)
+        vals = torch.cat([vc0[lane, :, :start], v.view(T, kv, d).transpose(0, 1)], dim=1)
+        want = (
+            F.scaled_dot_product_attention(
+                rope(q, heads)[None].double(),
+                keys[None].double(),
+                vals[None].double(),
+                attn_mask=m if m is not None else torch.ones(T, start + T, dtype=torch.bool).tril(start),
+                scale=0.3,
+                enable_gqa=True,
+            )[0]
+            .transpose(0, 1)
+            .reshape(T, -1)
+        )
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(kc[lane, :, start : start + T], rope(k, kv))
+        assert torch.equal(kc[lane, :, :start], kc0[lane, :, :start])
+        assert torch.equal(vc[lane, :, start : start + T], v.view(T, kv, d).transpose(0, 1))
+        assert torch.equal(kc[0], kc0[0]) and torch.equal(kc[2], kc0[2]) and torch.equal(vc[0], vc0[0])
+    with pytest.raises(RuntimeError, match="sees no slot"):
+        lib.attend(q, k, v, cos, sin, kc, vc, lane, start, torch.zeros_like(mask), 0, 0.3)
+    with pytest.raises(RuntimeError, match="out of range"):
+        lib.attend(q, k, v, cos, sin, kc, vc, 3, start, None, 0, 0.3)
+
+
+@ISAS
+def test_attend_row_is_the_decode_step_it_stands_for(isa):
+    """A tree node's row is bitwise what a decode step at its position gives once its ancestors are committed:
+    the same keys and values, visited in the same order (what makes a verification agree with AR decoding)."""
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(12)
+    start, heads, kv, d = 300, 9, 3, 64
+    # a tree of 6 nodes: 0 -> 1 -> 3 -> 5 is one branch, 2 and 4 hang elsewhere
+    parent = [-1, 0, 0, 1, 2, 3]
+    T = len(parent)
+    q, k, v, cos, sin, (kc, vc) = _attention_case(g, T, start, heads, kv, d)
+    depth = [0] * T
+    for i, p in enumerate(parent):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    from spechead.model.layers import Rotary
+
+    cos, sin = Rotary(d, 512, 10000.0)(start + torch.tensor(depth))  # node i at position start + depth
+    mask = torch.zeros(T, start + T, dtype=torch.bool)
+    mask[:, :start] = True
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[i, start + j] = True
+            j = parent[j]
+    tree = lib.attend(q, k, v, cos, sin, kc.clone(), vc.clone(), 0, start, mask, 0, 0.125)
+    branch = [0, 1, 3, 5]
+    kc2, vc2 = kc.clone(), vc.clone()
+    for n, i in enumerate(branch):  # decode the branch one token at a time, each at the next slot
+        r = slice(i, i + 1)
+        step = lib.attend(q[r], k[r], v[r], cos[r], sin[r], kc2, vc2, 0, start + n, None, 0, 0.125)
+        assert torch.equal(step[0], tree[i])
+
+
+@ISAS
+def test_silu_mul_is_silu_gate_times_up(isa):
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(13)
+    gu = torch.randn(7, 2 * 77, generator=g) * 8
+    gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    got = lib.silu_mul(gu)
+    want = F.silu(gu[:, :77].double()) * gu[:, 77:].double()
+    torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=1e-6)
+    assert all(torch.equal(lib.silu_mul(gu[i : i + 1])[0], got[i]) for i in range(7))

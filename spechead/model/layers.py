@@ -74,6 +74,17 @@ def _needs_grad(*ts: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
+def _kernel_rows(x: Tensor) -> bool:
+    """fp32 CPU rows outside autograd, where a kernel build runs."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and not _needs_grad(x)
+        and kernels.available()
+    )
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
     """Inverse frequencies, with Llama-3.1's frequency-dependent scaling when configured."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -166,6 +177,9 @@ class Segment:
     kv_from: int = 0
 
 
+KERNEL_ROWS = 128  # query rows a request may have for the kernel's attention (past it: a prefill, on SDPA)
+
+
 class Attention(nn.Module):
     """Grouped-query attention; ``in_features`` differs from the model width in EAGLE-3's drafter. With
     ``qk_norm`` (Gemma 3) each query and key head is RMS-normed before RoPE."""
@@ -215,11 +229,35 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q = self.q_norm(q.reshape(t * self.n_heads, hd)).view(t, -1)
             k = self.k_norm(k.reshape(t * self.n_kv, hd)).view(t, -1)
+        if self._kernel_attends(x, segments):
+            op = kernels.ops().attend
+            kc, vc, scale = self.cache.k, self.cache.v, self.scale or hd**-0.5
+            outs = [
+                op(q[r], k[r], v[r], cos[r], sin[r], kc, vc, s.lane, s.start, _bool_rows(s.mask), s.kv_from, scale)
+                for s in segments
+                for r in [slice(s.row0, s.row0 + s.t)]
+            ]
+            return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
         qk = apply_rope(torch.cat([q, k], dim=-1).view(t, self.n_heads + self.n_kv, hd), cos[:, None], sin[:, None])
         q, k = qk.transpose(0, 1).split([self.n_heads, self.n_kv], dim=0)
         k, v = k.unsqueeze(0), v.view(t, self.n_kv, hd).transpose(0, 1).unsqueeze(0)
         outs = [self._attend(q, k, v, s) for s in segments]
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _kernel_attends(self, x: Tensor, segments: Sequence[Segment]) -> bool:
+        """Decode steps, verifications and drafting (up to ``KERNEL_ROWS`` rows a request) take the kernel's
+        attention, which computes each row from its visible slots alone (bitwise the same in a step and in a
+        verification); long prefills, training and non-fp32 models take SDPA."""
+        cache = self.cache
+        return (
+            cache is not None
+            and x.dtype == torch.float32
+            and cache.k.dtype == torch.float32
+            and x.device.type == "cpu"
+            and all(s.t <= KERNEL_ROWS for s in segments)
+            and not _needs_grad(x)
+            and kernels.available()
+        )
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
         """Attention of one segment's queries over its lane: [t, n_heads * head_dim]."""
@@ -238,6 +276,10 @@ class Attention(nn.Module):
         gqa = self.n_kv != self.n_heads
         out = F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
         return out[0].transpose(0, 1).reshape(seg.t, -1)
+
+
+def _bool_rows(mask: Tensor | None) -> Tensor | None:
+    return None if mask is None else mask.to(torch.bool).contiguous()
 
 
 def causal_mask(t: int, total: int, device: torch.device) -> Tensor:
@@ -267,7 +309,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if not self.gelu and _kernel_rows(gate_up):  # one pass, and what the fused decoder layer computes
+                return self.down_proj(kernels.ops().silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 

@@ -10,7 +10,17 @@ from torch import Tensor, nn
 from spechead import kernels
 from spechead.kernels.linear import PackedLinear, mkl_packing_available
 from spechead.model.config import ModelConfig
-from spechead.model.layers import Block, KVCache, RMSNorm, Rotary, ScaledEmbedding, Segment, causal_mask
+from spechead.model.layers import (
+    KERNEL_ROWS,
+    Block,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    ScaledEmbedding,
+    Segment,
+    _kernel_rows,
+    causal_mask,
+)
 
 
 class LlamaBackbone(nn.Module):
@@ -57,6 +67,7 @@ class Transformer(nn.Module):
         self.local_rotary: Rotary | None = None  # the sliding-window layers' RoPE (Gemma 3), else None
         self.local = [cfg.is_local(i) for i in range(n)]
         self.max_len, self.lanes = 0, 0
+        self._fused: list[tuple] | None = None  # llama_layer's per-layer arguments, built at the first forward
 
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
@@ -67,6 +78,7 @@ class Transformer(nn.Module):
         if max_len == self.max_len and lanes <= self.lanes:  # lanes only grow: batch-1 decoders use lane 0
             return
         self.max_len, self.lanes = max_len, max(lanes, self.lanes)
+        self._fused = None
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
         if any(self.local):
             theta, scaling = cfg.rope_local_theta, cfg.rope_local_scaling
@@ -78,6 +90,7 @@ class Transformer(nn.Module):
     def fuse(self) -> Transformer:
         """Fuse projections (and fold Gemma's 1 + w norms) for inference: the state dict no longer matches the
         HF names afterwards."""
+        self._fused = None
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -95,6 +108,7 @@ class Transformer(nn.Module):
             return False
         if not kernels.supports(w) and (rows < 2 or w.dtype != torch.float32 or not mkl_packing_available()):
             return False
+        self._fused = None
         for name, child in list(self.named_modules()):
             if isinstance(child, nn.Linear):
                 parent_name, _, attr = name.rpartition(".")
@@ -121,6 +135,53 @@ class Transformer(nn.Module):
         key_pos = torch.cat([torch.arange(kv_from, start, device=dev), positions])
         inside = key_pos[None, :] > positions[:, None] - w
         return kv_from, base[:, kv_from:] & inside
+
+    def _fused_layers(self, x: Tensor, segments: list[Segment], cos: Tensor, sin: Tensor) -> list[tuple] | None:
+        """Per layer, the arguments (after ``x``) of the kernels' ``llama_layer`` where it computes what the
+        modules would: a Llama-style fp32 target laid out for the kernel, rows its projections and attention
+        take the kernel for. One op a layer instead of ~25 Python-level calls; None otherwise."""
+        qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
+        if (
+            not isinstance(qkv, PackedLinear)
+            or qkv.blocked is None
+            or x.shape[0] > (qkv.max_rows or 0)
+            or any(s.t > KERNEL_ROWS for s in segments)
+            or not _kernel_rows(x)
+        ):
+            return None
+        if self._fused is None:
+            self._fused = self._fused_weights()
+        if not self._fused:
+            return None
+        rows = (
+            [s.row0 for s in segments],
+            [s.t for s in segments],
+            [s.lane for s in segments],
+            [s.start for s in segments],
+            [None if s.mask is None else s.mask.to(torch.bool).contiguous() for s in segments],
+            [s.kv_from for s in segments],
+        )
+        return [(*w, cos, sin, *cache, *rows, scale) for *w, cache, scale in self._fused]
+
+    def _fused_weights(self) -> list[tuple]:
+        """Each layer's norms, eps, blocked projections, their widths, its cache and softmax scale; [] where a
+        layer is not the plain Llama block (Gemma's norms, biases, GELU, windows) or not on the kernel."""
+        cfg = self.config
+        if cfg.sandwich_norms or cfg.qk_norm or cfg.attention_bias or any(self.local) or cfg.hidden_act != "silu":
+            return []
+        args: list[tuple] = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
+            if not all(isinstance(li, PackedLinear) and li.blocked is not None for li in lin) or a.cache is None:
+                return []
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps)
+            if layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset:
+                return []
+            weights = tuple(li.blocked.data for li in lin)
+            widths = [li.blocked.rows for li in lin]
+            args.append((*norms, *weights, widths, (a.cache.k, a.cache.v), a.scale or cfg.head_dim**-0.5))
+        return args
 
     def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
         for layer in self.model.layers:
@@ -169,10 +230,13 @@ class Transformer(nn.Module):
             local_cos, local_sin = self.local_rotary(pos)
         x = self.model.embed_tokens(parts[0].tokens if one else torch.cat([p.tokens for p in parts]))
         aux: dict[int, Tensor] = {}
+        fused = self._fused_layers(x, segments, cos, sin) if self.local_rotary is None else None
         for i, layer in enumerate(self.model.layers):
             if want_aux and i in self.eagle3_layers:
                 aux[i] = x
-            if self.local[i]:
+            if fused is not None:
+                x = kernels.ops().llama_layer(x, *fused[i])
+            elif self.local[i]:
                 x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments)
             else:
                 x = layer(x, layer.input_layernorm(x), cos, sin, segments)

@@ -667,6 +667,256 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+// ---- attention of a few query rows over a cache lane ------------------------------------------------------------
+// One op for a decode step's or a verification's attention: RoPE on the rows' queries and keys, the keys and
+// values stored at slots [start, start+T) of the cache lane, then each query row (and head) attends over the slots
+// its mask allows. The library's SDPA spends ~0.26 ms a layer on one query row (9 heads over 600 slots, two
+// threads) for work that reads 0.9 MB: a tenth of a step's time; this is its bytes.
+// Why it also matters for losslessness: a row's output is computed from the list of slots it may see, in slot
+// order, and nothing else: scores, their maximum, the exponentials' sum and the weighted values are each
+// accumulated in one fixed order over that list. A tree node sees its committed prefix and its ancestors; were it
+// accepted, the decode step at the same position would see the same keys and values (the projections' kernel is
+// row-count invariant) in the same order, so verification and decoding give bitwise the same hidden state.
+// q [T, N*D], k / v [T, KV*D] (inner stride 1, any row stride: views of the fused projection), cos / sin [T, D],
+// k_cache / v_cache [lanes, KV, max_len, D]; mask bool [T, start + T - kv_from] (None: causal). Returns [T, N*D].
+inline void rope_row(const float* a, const float* c, const float* s, float* o, int64_t D) {
+  const int64_t h = D / 2;  // the same products and sum as the rope op and model.apply_rope
+  for (int64_t i = 0; i < h; ++i) o[i] = a[i] * c[i] + (-a[i + h]) * s[i];
+  for (int64_t i = h; i < D; ++i) o[i] = a[i] * c[i] + a[i - h] * s[i];
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + W <= D; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
+
+// o[0 : NB*W] = sum over the listed slots, in order, of p[j] * v[slot], then times 1 / sum
+template <int NB>
+inline void weigh_values(const float* v, int64_t D, const int32_t* list, const float* p, int64_t c, float sum,
+                         float* o) {
+  Vec a[NB];
+  for (int u = 0; u < NB; ++u) a[u] = vzero();
+  for (int64_t j = 0; j < c; ++j) {
+    const float* row = v + list[j] * D;
+    if (j + kAttnAhead < c) prefetch(v + list[j + kAttnAhead] * D);
+    const Vec pj = vset1(p[j]);
+    for (int u = 0; u < NB; ++u) a[u] = vfma(pj, vload(row + u * W), a[u]);
+  }
+  const Vec inv = vset1(1.0f / sum);
+  for (int u = 0; u < NB; ++u) vstore(o + u * W, vfma(a[u], inv, vzero()));
+}
+
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
+                 const std::optional<at::Tensor>& mask, int64_t kv_from, double scale, float* po) {
+  const int64_t T = q.size(0), D = cos.size(1);
+  TORCH_CHECK(D > 0 && D % 2 == 0, "attend: the head size must be even");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
+                    t->size(1) % D == 0 && t->device().is_cpu(),
+                "attend: q, k, v must be fp32 [T, heads * ", D, "] CPU rows with unit inner stride");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "attend: cos and sin must be contiguous [T, D] fp32");
+  for (const at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->dim() == 4 && t->size(3) == D && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "attend: the caches must be contiguous fp32 [lanes, kv_heads, max_len, D]");
+  const int64_t N = q.size(1) / D, KV = k_cache.size(1), L = k_cache.size(2), end = start + T;
+  TORCH_CHECK(k.size(1) == KV * D && v.size(1) == KV * D && v_cache.sizes() == k_cache.sizes(),
+              "attend: k / v rows must hold the cache's ", KV, " heads");
+  TORCH_CHECK(N % KV == 0, "attend: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(0 <= lane && lane < k_cache.size(0) && 0 <= kv_from && kv_from <= start && end <= L,
+              "attend: lane or slots out of range");
+  const int64_t S = end - kv_from;
+  const bool* pm = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == T && mask->size(1) == S &&
+                    mask->scalar_type() == at::kBool && mask->is_contiguous(),
+                "attend: mask must be a contiguous bool [T, ", S, "]");
+    pm = mask->data_ptr<bool>();
+  }
+  // RoPE and the cache write (keys roped, values as they are), then the queries roped into a scratch
+  float* kc = k_cache.data_ptr<float>() + lane * KV * L * D;
+  float* vc = v_cache.data_ptr<float>() + lane * KV * L * D;
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < KV; ++g) {
+      const int64_t slot = (g * L + start + t) * D;
+      rope_row(k.data_ptr<float>() + t * k.stride(0) + g * D, pc + t * D, ps + t * D, kc + slot, D);
+      std::memcpy(vc + slot, v.data_ptr<float>() + t * v.stride(0) + g * D, D * sizeof(float));
+    }
+  at::Tensor qr = at::empty({T, N, D}, q.options());
+  float* pq = qr.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n)
+      rope_row(q.data_ptr<float>() + t * q.stride(0) + n * D, pc + t * D, ps + t * D, pq + (t * N + n) * D, D);
+  // each row's visible slots, in slot order
+  std::vector<int32_t> seen(T * S);
+  std::vector<int64_t> count(T);
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (pm ? pm[t * S + s] : s <= S - T + t) seen[t * S + c++] = static_cast<int32_t>(kv_from + s);
+    TORCH_CHECK(c > 0, "attend: query row ", t, " sees no slot");
+    count[t] = c;
+  }
+  const int64_t group = N / KV, padded = (S + W - 1) / W * W;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * N, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> score(padded);
+    for (int64_t p = p0; p < p1; ++p) {
+      // group-major: a thread's run of pairs shares one key/value head, whose slots then stay in its L2
+      const int64_t g = p / (T * group), t = p % (T * group) / group, n = g * group + p % group, c = count[t];
+      const int32_t* list = seen.data() + t * S;
+      const float* qrow = pq + (t * N + n) * D;
+      const float* kh = kc + g * L * D;
+      const float* vh = vc + g * L * D;
+      float mx = -std::numeric_limits<float>::infinity();
+      int64_t j0 = 0;
+      if (D % W == 0)  // eight slots at once: eight independent FMA chains, each slot's sum as dot() forms it
+        for (; j0 + 8 <= c; j0 += 8) {
+          const float* kr[8];
+          Vec a[8];
+          for (int u = 0; u < 8; ++u) kr[u] = kh + list[j0 + u] * D, a[u] = vzero();
+          if (j0 + kAttnAhead + 8 <= c)  // in a step the lane streams from memory: ask for rows well ahead
+            for (int u = 0; u < 8; ++u) prefetch(kh + list[j0 + kAttnAhead + u] * D);
+          for (int64_t i = 0; i < D; i += W) {
+            const Vec qi = vload(qrow + i);
+            for (int u = 0; u < 8; ++u) a[u] = vfma(qi, vload(kr[u] + i), a[u]);
+          }
+          for (int u = 0; u < 8; ++u) score[j0 + u] = vsum(a[u]) * sc;
+        }
+      for (; j0 < c; ++j0) score[j0] = dot(qrow, kh + list[j0] * D, D) * sc;
+      for (int64_t jj = 0; jj < c; ++jj) mx = std::max(mx, score[jj]);
+      for (int64_t j = c; j < padded; ++j) score[j] = mx;  // exp(0) in the padding, never summed
+      Vec vs = vzero();
+      const Vec neg = vset1(-mx);
+      int64_t j = 0;
+      for (; j + W <= c; j += W) {
+        const Vec e = vexp_nonpositive(vadd(vload(score.data() + j), neg));
+        vstore(score.data() + j, e);
+        vs = vadd(vs, e);
+      }
+      float sum = vsum(vs);
+      if (j < c) {
+        vstore(score.data() + j, vexp_nonpositive(vadd(vload(score.data() + j), neg)));
+        for (; j < c; ++j) sum += score[j];
+      }
+      // the weighted values, up to 8 vectors of outputs at a time kept in registers, each summed in slot order
+      float* o = po + t * N * D + n * D;
+      int64_t i0 = 0;
+      for (; i0 + 8 * W <= D; i0 += 8 * W) weigh_values<8>(vh + i0, D, list, score.data(), c, sum, o + i0);
+      for (; i0 + 4 * W <= D; i0 += 4 * W) weigh_values<4>(vh + i0, D, list, score.data(), c, sum, o + i0);
+      for (; i0 + W <= D; i0 += W) weigh_values<1>(vh + i0, D, list, score.data(), c, sum, o + i0);
+      for (; i0 < D; ++i0) {  // heads narrower than a vector (small test models)
+        float a = 0.0f;
+        for (int64_t jj = 0; jj < c; ++jj) a += score[jj] * vh[list[jj] * D + i0];
+        o[i0] = a * (1.0f / sum);
+      }
+    }
+  });
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                  const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
+                  const std::optional<at::Tensor>& mask, int64_t kv_from, double scale) {
+  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
+  attend_into(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from, scale, out.data_ptr<float>());
+  return out;
+}
+
+// ---- SiLU(gate) * up ----------------------------------------------------------------------------------------------
+// gu [R, 2I] (the fused gate / up projection) -> [R, I]. silu(g) = g / (1 + e^-g), computed from e = exp(-|g|) so
+// the exponential never overflows: g / (1 + e) for g >= 0, g e / (1 + e) below. One pass instead of three ops;
+// the MLP uses it for every fp32 row where the kernels run, so a row's result never depends on the path it took.
+inline float silu1(float g) {
+  float e;
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+  float buf[W] = {};
+  buf[0] = -std::fabs(g);
+  vstore(buf, vexp_nonpositive(vload(buf)));
+  e = buf[0];
+#else
+  e = std::exp(-std::fabs(g));
+#endif
+  return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.scalar_type() == at::kFloat && gu.device().is_cpu() &&
+                  gu.stride(1) == 1,
+              "silu_mul: gu must be fp32 [R, 2I] CPU rows with unit inner stride");
+  const int64_t R = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
+  at::Tensor y = at::empty({R, I}, gu.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* pg = gu.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = pg + r * ld;
+    const float* u = g + I;
+    float* o = py + r * I;
+    int64_t i = 0;
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+    float e[W];
+    for (; i + W <= I; i += W) {
+      float a[W];
+      for (int l = 0; l < W; ++l) a[l] = -std::fabs(g[i + l]);
+      vstore(e, vexp_nonpositive(vload(a)));
+      for (int l = 0; l < W; ++l) {
+        const float x = g[i + l];
+        o[i + l] = (x >= 0.0f ? x / (1.0f + e[l]) : (x * e[l]) / (1.0f + e[l])) * u[i + l];
+      }
+    }
+#endif
+    for (; i < I; ++i) o[i] = silu1(g[i]) * u[i];
+  }
+  return y;
+}
+
+// ---- a Llama decoder layer over a few rows ------------------------------------------------------------------------
+// What Block.forward does for fp32 rows when the kernels run, as one op: RMSNorm, the fused q/k/v projection,
+// attention per request (attend_into), the output projection and residual, RMSNorm, the fused gate/up projection,
+// SiLU(gate) * up, the down projection and residual. The same functions in the same order as the module path, so
+// the two give bitwise the same rows; what this saves is ~25 Python-level calls a layer (~8 ms of a 45 ms step of
+// the demo target on 2 cores). Weights are blocked-layout tensors with their output widths; each request's rows
+// [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]``, their keys at ``starts[i]``.
+at::Tensor narrow_cols(const at::Tensor& y, int64_t n) { return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous(); }
+
+at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                       const at::Tensor& w_qkv, const at::Tensor& w_o, const at::Tensor& w_gu,
+                       const at::Tensor& w_down, at::IntArrayRef widths, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef row0,
+                       at::IntArrayRef rows, at::IntArrayRef lanes, at::IntArrayRef starts,
+                       const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from, double scale) {
+  TORCH_CHECK(widths.size() == 4, "llama_layer: widths = (qkv, o, gate_up, down) output features");
+  const size_t P = row0.size();
+  TORCH_CHECK(rows.size() == P && lanes.size() == P && starts.size() == P && masks.size() == P &&
+                  kv_from.size() == P && P >= 1,
+              "llama_layer: one row0 / rows / lane / start / mask / kv_from per request");
+  const int64_t D = cos.size(1), KV = k_cache.size(1), d = x.size(1);
+  const int64_t nq = widths[0] - 2 * KV * D;
+  TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "llama_layer: widths do not fit the cache");
+  const auto blocks = [](int64_t n) { return (n + kLanes - 1) / kLanes; };
+  const at::Tensor qkv = narrow_cols(draft_linear(rms_norm(x, ln1, eps), w_qkv, blocks(widths[0])), widths[0]);
+  at::Tensor att = at::empty({x.size(0), nq}, x.options());
+  for (size_t p = 0; p < P; ++p) {
+    const at::Tensor part = qkv.narrow(0, row0[p], rows[p]);
+    attend_into(part.narrow(1, 0, nq), part.narrow(1, nq, KV * D), part.narrow(1, nq + KV * D, KV * D),
+                cos.narrow(0, row0[p], rows[p]).contiguous(), sin.narrow(0, row0[p], rows[p]).contiguous(), k_cache,
+                v_cache, lanes[p], starts[p], masks.get(p), kv_from[p], scale, att.data_ptr<float>() + row0[p] * nq);
+  }
+  const at::Tensor h = x + narrow_cols(draft_linear(att, w_o, blocks(d)), d);
+  const at::Tensor gu = narrow_cols(draft_linear(rms_norm(h, ln2, eps), w_gu, blocks(widths[2])), widths[2]);
+  return h + narrow_cols(draft_linear(silu_mul(gu), w_down, blocks(d)), d);
+}
+
 int64_t vector_lanes() { return W; }
 
 }  // namespace
@@ -683,6 +933,14 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
       "Tensor? eligible, int n, int n_pin, int round, bool lru) -> (Tensor, Tensor, int, int)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "int lane, int start, Tensor? mask, int kv_from, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def(
+      "llama_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor w_qkv, Tensor w_o, Tensor w_gu, Tensor w_down, "
+      "int[] widths, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int[] row0, int[] rows, "
+      "int[] lanes, int[] starts, Tensor?[] masks, int[] kv_from, float scale) -> Tensor");
   m.def("vector_lanes() -> int", vector_lanes);
 }
 SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
@@ -691,4 +949,7 @@ SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("active_set_add", active_set_add);
   m.impl("rms_norm", rms_norm);
   m.impl("rope", rope);
+  m.impl("attend", attend);
+  m.impl("silu_mul", silu_mul);
+  m.impl("llama_layer", llama_layer);
 }
