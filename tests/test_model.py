@@ -136,3 +136,26 @@ def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
     monkeypatch.setattr(kernels, "supports", lambda weight: False)
     head = check_prepacked_logits(tiny_dir)
     assert head.blocked is None and 4 in head.packed
+
+
+def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
+    """The demo's GGUF converted to the same weights as the cached folder, with one parse of the file (transformers
+    asks for three: Gemma 3's vocabulary makes each cost minutes)."""
+    import gguf
+
+    from spechead.model.loading import PACKAGED_TARGETS, convert_gguf, resolve_target
+
+    parses, original = [], gguf.GGUFReader
+
+    def counting(path, *args, **kwargs):
+        parses.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    demo = PACKAGED_TARGETS["demo"]
+    out = convert_gguf(demo.gguf_path(tmp_path), tmp_path / "converted")
+    assert len(parses) == 1 and gguf.GGUFReader is counting
+    from safetensors.torch import load_file
+
+    got, want = (load_file(f / "model.safetensors") for f in (out, resolve_target("demo")))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
