@@ -44,13 +44,18 @@ def _tree(spec: str | None):
 
 
 def cmd_generate(args) -> int:
-    from spechead.decoding.session import resolve_drafter
+    from spechead.decoding.session import check_drafter_spec, resolve_drafter
+    from spechead.heads import HEADS  # noqa: F401  (registers every head)
+    from spechead.heads.base import check_head_spec
     from spechead.tuning.tune import open_session
 
     if not args.prompt.strip():
         raise SpecheadError("empty prompt")
     if args.method not in ("ar", "eagle"):
         raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
+    if args.method == "eagle":  # refused before the target loads
+        check_head_spec(args.head)
+        check_drafter_spec(args.drafter)
     sampling, tree = _sampling(args), _tree(args.tree)
     session = open_session(args.target, args.max_len, compile=args.compile)
     ids = session.encode(args.prompt, raw=args.raw)

@@ -67,6 +67,14 @@ def shipped_drafter_path(arch: str = "eagle2", target: ModelConfig | None = None
     return None
 
 
+def check_drafter_spec(spec: str) -> str:
+    """Refuse a drafter folder that does not exist before anything is loaded (``demo`` and ``random[:ARCH]`` are
+    names, not folders)."""
+    if spec not in ("demo", "random") and not spec.startswith("random:") and not Path(spec).is_dir():
+        raise SpecheadError(f"drafter not found: {spec}")
+    return spec
+
+
 def resolve_drafter(spec: str, target: Transformer, arch: str = "eagle2", seed: int = 0) -> Drafter:
     """``demo`` (the drafter shipped for this target, or a seeded random one where none ships), ``random`` or a
     folder."""
