@@ -695,21 +695,21 @@ inline float dot(const float* a, const float* b, int64_t D) {
 }
 
 constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
+constexpr int64_t kAttnBlock = 64;  // slots whose keys (16 KB at 64 fp32 values a head), then values, sit in L1
 
-// o[0 : NB*W] = sum over the listed slots, in order, of p[j] * v[slot], then times 1 / sum
+// a[0 : NB*W] += p[j] * v[list[j]] for j in [j0, j1), in order, the accumulators in registers meanwhile
 template <int NB>
-inline void weigh_values(const float* v, int64_t D, const int32_t* list, const float* p, int64_t c, float sum,
-                         float* o) {
-  Vec a[NB];
-  for (int u = 0; u < NB; ++u) a[u] = vzero();
-  for (int64_t j = 0; j < c; ++j) {
+inline void weigh_values(const float* v, int64_t D, const int32_t* list, const float* p, int64_t j0, int64_t j1,
+                         float* a) {
+  Vec r[NB];
+  for (int u = 0; u < NB; ++u) r[u] = vload(a + u * W);
+  for (int64_t j = j0; j < j1; ++j) {
     const float* row = v + list[j] * D;
-    if (j + kAttnAhead < c) prefetch(v + list[j + kAttnAhead] * D);
+    if (j + kAttnAhead < j1) prefetch(v + list[j + kAttnAhead] * D);
     const Vec pj = vset1(p[j]);
-    for (int u = 0; u < NB; ++u) a[u] = vfma(pj, vload(row + u * W), a[u]);
+    for (int u = 0; u < NB; ++u) r[u] = vfma(pj, vload(row + u * W), r[u]);
   }
-  const Vec inv = vset1(1.0f / sum);
-  for (int u = 0; u < NB; ++u) vstore(o + u * W, vfma(a[u], inv, vzero()));
+  for (int u = 0; u < NB; ++u) vstore(a + u * W, r[u]);
 }
 
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -768,58 +768,105 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     TORCH_CHECK(c > 0, "attend: query row ", t, " sees no slot");
     count[t] = c;
   }
-  const int64_t group = N / KV, padded = (S + W - 1) / W * W;
+  // A task takes up to 8 queries of one key/value head (the rows x heads of its group) and walks the slots in
+  // blocks of kAttnBlock: each block's keys, then its values, are read from memory once for all the task's
+  // queries and stay in L1 while they use them. A query's arithmetic does not depend on which task it is in.
+  const int64_t group = N / KV, padded = (S + W - 1) / W * W, per_g = T * group;
+  const int64_t per_task = std::min<int64_t>(8, T), tasks_per_g = (per_g + per_task - 1) / per_task;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, T * N, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> score(padded);
-    for (int64_t p = p0; p < p1; ++p) {
-      // group-major: a thread's run of pairs shares one key/value head, whose slots then stay in its L2
-      const int64_t g = p / (T * group), t = p % (T * group) / group, n = g * group + p % group, c = count[t];
-      const int32_t* list = seen.data() + t * S;
-      const float* qrow = pq + (t * N + n) * D;
+  std::vector<float> scores(T * N * padded);
+  at::parallel_for(0, KV * tasks_per_g, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(per_task * D);
+    for (int64_t task = p0; task < p1; ++task) {
+      const int64_t g = task / tasks_per_g, q0 = task % tasks_per_g * per_task;
+      const int64_t nq = std::min(per_task, per_g - q0);
       const float* kh = kc + g * L * D;
       const float* vh = vc + g * L * D;
-      float mx = -std::numeric_limits<float>::infinity();
-      int64_t j0 = 0;
-      if (D % W == 0)  // eight slots at once: eight independent FMA chains, each slot's sum as dot() forms it
-        for (; j0 + 8 <= c; j0 += 8) {
-          const float* kr[8];
-          Vec a[8];
-          for (int u = 0; u < 8; ++u) kr[u] = kh + list[j0 + u] * D, a[u] = vzero();
-          if (j0 + kAttnAhead + 8 <= c)  // in a step the lane streams from memory: ask for rows well ahead
-            for (int u = 0; u < 8; ++u) prefetch(kh + list[j0 + kAttnAhead + u] * D);
-          for (int64_t i = 0; i < D; i += W) {
-            const Vec qi = vload(qrow + i);
-            for (int u = 0; u < 8; ++u) a[u] = vfma(qi, vload(kr[u] + i), a[u]);
-          }
-          for (int u = 0; u < 8; ++u) score[j0 + u] = vsum(a[u]) * sc;
+      int64_t tq[8], cq[8], at[8];  // each query's row, visible-slot count, cursor in its list
+      const int32_t* lq[8];
+      float* sq[8];
+      const float* qq[8];
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = (q0 + i) / group, n = g * group + (q0 + i) % group;
+        tq[i] = t, cq[i] = count[t], lq[i] = seen.data() + t * S, at[i] = 0;
+        sq[i] = scores.data() + (t * N + n) * padded;
+        qq[i] = pq + (t * N + n) * D;
+      }
+      // scores, block by block; eight slots at once where they fill a group (independent FMA chains), each
+      // slot's sum formed as dot() forms it
+      for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
+        const int64_t b1 = std::min(b0 + kAttnBlock, end);
+        for (int64_t i = 0; i < nq; ++i) {
+          const int32_t* list = lq[i];
+          int64_t j = at[i], j1 = j;
+          while (j1 < cq[i] && list[j1] < b1) ++j1;
+          if (D % W == 0)
+            for (; j + 8 <= j1; j += 8) {
+              const float* kr[8];
+              Vec a[8];
+              for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D, a[u] = vzero();
+              if (i == 0 && j + kAttnAhead + 8 <= cq[i])  // a step streams the lane from memory: rows well ahead
+                for (int u = 0; u < 8; ++u) prefetch(kh + list[j + kAttnAhead + u] * D);
+              for (int64_t d = 0; d < D; d += W) {
+                const Vec qd = vload(qq[i] + d);
+                for (int u = 0; u < 8; ++u) a[u] = vfma(qd, vload(kr[u] + d), a[u]);
+              }
+              for (int u = 0; u < 8; ++u) sq[i][j + u] = vsum(a[u]) * sc;
+            }
+          for (; j < j1; ++j) sq[i][j] = dot(qq[i], kh + list[j] * D, D) * sc;
+          at[i] = j1;
         }
-      for (; j0 < c; ++j0) score[j0] = dot(qrow, kh + list[j0] * D, D) * sc;
-      for (int64_t jj = 0; jj < c; ++jj) mx = std::max(mx, score[jj]);
-      for (int64_t j = c; j < padded; ++j) score[j] = mx;  // exp(0) in the padding, never summed
-      Vec vs = vzero();
-      const Vec neg = vset1(-mx);
-      int64_t j = 0;
-      for (; j + W <= c; j += W) {
-        const Vec e = vexp_nonpositive(vadd(vload(score.data() + j), neg));
-        vstore(score.data() + j, e);
-        vs = vadd(vs, e);
       }
-      float sum = vsum(vs);
-      if (j < c) {
-        vstore(score.data() + j, vexp_nonpositive(vadd(vload(score.data() + j), neg)));
-        for (; j < c; ++j) sum += score[j];
+      // softmax weights: exp(score - max), summed in list order
+      float inv[8];
+      for (int64_t i = 0; i < nq; ++i) {
+        float* score = sq[i];
+        const int64_t c = cq[i];
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < c; ++j) mx = std::max(mx, score[j]);
+        for (int64_t j = c; j < padded; ++j) score[j] = mx;  // exp(0) in the padding, never summed
+        Vec vs = vzero();
+        const Vec neg = vset1(-mx);
+        int64_t j = 0;
+        for (; j + W <= c; j += W) {
+          const Vec e = vexp_nonpositive(vadd(vload(score + j), neg));
+          vstore(score + j, e);
+          vs = vadd(vs, e);
+        }
+        float sum = vsum(vs);
+        if (j < c) {
+          vstore(score + j, vexp_nonpositive(vadd(vload(score + j), neg)));
+          for (; j < c; ++j) sum += score[j];
+        }
+        inv[i] = 1.0f / sum;
+        at[i] = 0;
       }
-      // the weighted values, up to 8 vectors of outputs at a time kept in registers, each summed in slot order
-      float* o = po + t * N * D + n * D;
-      int64_t i0 = 0;
-      for (; i0 + 8 * W <= D; i0 += 8 * W) weigh_values<8>(vh + i0, D, list, score.data(), c, sum, o + i0);
-      for (; i0 + 4 * W <= D; i0 += 4 * W) weigh_values<4>(vh + i0, D, list, score.data(), c, sum, o + i0);
-      for (; i0 + W <= D; i0 += W) weigh_values<1>(vh + i0, D, list, score.data(), c, sum, o + i0);
-      for (; i0 < D; ++i0) {  // heads narrower than a vector (small test models)
-        float a = 0.0f;
-        for (int64_t jj = 0; jj < c; ++jj) a += score[jj] * vh[list[jj] * D + i0];
-        o[i0] = a * (1.0f / sum);
+      // the weighted values, block by block, each output accumulated in slot order
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
+        const int64_t b1 = std::min(b0 + kAttnBlock, end);
+        for (int64_t i = 0; i < nq; ++i) {
+          const int32_t* list = lq[i];
+          const int64_t j0 = at[i];
+          int64_t j1 = j0;
+          while (j1 < cq[i] && list[j1] < b1) ++j1;
+          float* ai = acc.data() + i * D;
+          int64_t d = 0;
+          for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, sq[i], j0, j1, ai + d);
+          for (; d + 4 * W <= D; d += 4 * W) weigh_values<4>(vh + d, D, list, sq[i], j0, j1, ai + d);
+          for (; d + W <= D; d += W) weigh_values<1>(vh + d, D, list, sq[i], j0, j1, ai + d);
+          for (; d < D; ++d)  // heads narrower than a vector (small test models)
+            for (int64_t j = j0; j < j1; ++j) ai[d] += sq[i][j] * vh[list[j] * D + d];
+          at[i] = j1;
+        }
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* o = po + tq[i] * N * D + (g * group + (q0 + i) % group) * D;
+        const float* ai = acc.data() + i * D;
+        const Vec iv = vset1(inv[i]);
+        int64_t d = 0;
+        for (; d + W <= D; d += W) vstore(o + d, vfma(vload(ai + d), iv, vzero()));
+        for (; d < D; ++d) o[d] = ai[d] * inv[i];
       }
     }
   });
