@@ -24,7 +24,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check spechead tests
 	@for path in $$($(PY) -m spechead.kernels --test-paths); do \
-		echo "== $$path"; env $$path $(VENV)/bin/pytest -q -p no:cacheprovider || exit 1; \
+		echo "== $$path"; env $$path $(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 || exit 1; \
 	done
 
 test-one: setup

@@ -74,7 +74,7 @@ def _needs_grad(*ts: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def _kernel_rows(x: Tensor) -> bool:
+def kernel_rows(x: Tensor) -> bool:
     """fp32 CPU rows outside autograd, where a kernel build runs."""
     return (
         x.dtype == torch.float32
@@ -233,7 +233,7 @@ class Attention(nn.Module):
             op = kernels.ops().attend
             kc, vc, scale = self.cache.k, self.cache.v, self.scale or hd**-0.5
             outs = [
-                op(q[r], k[r], v[r], cos[r], sin[r], kc, vc, s.lane, s.start, _bool_rows(s.mask), s.kv_from, scale)
+                op(q[r], k[r], v[r], cos[r], sin[r], kc, vc, s.lane, s.start, bool_mask(s.mask), s.kv_from, scale)
                 for s in segments
                 for r in [slice(s.row0, s.row0 + s.t)]
             ]
@@ -278,7 +278,8 @@ class Attention(nn.Module):
         return out[0].transpose(0, 1).reshape(seg.t, -1)
 
 
-def _bool_rows(mask: Tensor | None) -> Tensor | None:
+def bool_mask(mask: Tensor | None) -> Tensor | None:
+    """A mask as the kernels take it: contiguous bool (None: causal)."""
     return None if mask is None else mask.to(torch.bool).contiguous()
 
 
@@ -310,7 +311,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if hasattr(self, "gate_up_proj"):
             gate_up = self.gate_up_proj(x)
-            if not self.gelu and _kernel_rows(gate_up):  # one pass, and what the fused decoder layer computes
+            if not self.gelu and kernel_rows(gate_up):  # one pass, and what the fused decoder layer computes
                 return self.down_proj(kernels.ops().silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)

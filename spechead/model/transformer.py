@@ -18,8 +18,9 @@ from spechead.model.layers import (
     Rotary,
     ScaledEmbedding,
     Segment,
-    _kernel_rows,
+    bool_mask,
     causal_mask,
+    kernel_rows,
 )
 
 
@@ -146,7 +147,7 @@ class Transformer(nn.Module):
             or qkv.blocked is None
             or x.shape[0] > (qkv.max_rows or 0)
             or any(s.t > KERNEL_ROWS for s in segments)
-            or not _kernel_rows(x)
+            or not kernel_rows(x)
         ):
             return None
         if self._fused is None:
@@ -158,7 +159,7 @@ class Transformer(nn.Module):
             [s.t for s in segments],
             [s.lane for s in segments],
             [s.start for s in segments],
-            [None if s.mask is None else s.mask.to(torch.bool).contiguous() for s in segments],
+            [bool_mask(s.mask) for s in segments],
             [s.kv_from for s in segments],
         )
         return [(*w, cos, sin, *cache, *rows, scale) for *w, cache, scale in self._fused]
