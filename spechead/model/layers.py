@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
                 return (xf * (1.0 + w.float())).to(x.dtype)
             w = w + 1.0
         if x.dtype == torch.float32:  # a decode step runs 61 of these
-            if x.dim() == 2 and x.device.type == "cpu" and not _needs_grad(x, w) and kernels.available():
+            if kernel_rows(x) and not _needs_grad(w):
                 return kernels.ops().rms_norm(x.contiguous(), w, self.eps)  # one pass, not 6 ops
             return F.rms_norm(x, w.shape, w, self.eps)
         xf = x.float()
@@ -251,12 +251,9 @@ class Attention(nn.Module):
         cache = self.cache
         return (
             cache is not None
-            and x.dtype == torch.float32
             and cache.k.dtype == torch.float32
-            and x.device.type == "cpu"
             and all(s.t <= KERNEL_ROWS for s in segments)
-            and not _needs_grad(x)
-            and kernels.available()
+            and kernel_rows(x)
         )
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:

@@ -640,11 +640,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // ---- rotary embedding of a few rows ----------------------------------------------------------------------------
 // x [T, N, D] (N heads of D values) rotated by position: y = x * cos + rotate_half(x) * sin, rotate_half(x) =
 // (-x2, x1) for the halves x1, x2 of each head; cos / sin [T, D]. The same products and sum as the tensor
-// version (model.apply_rope), in one pass instead of seven ops.
+// version (model.apply_rope), in one pass instead of seven ops; rope_row is one head of one row (attend uses it too).
+inline void rope_row(const float* a, const float* c, const float* s, float* o, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) o[i] = a[i] * c[i] + (-a[i + h]) * s[i];
+  for (int64_t i = h; i < D; ++i) o[i] = a[i] * c[i] + a[i - h] * s[i];
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "rope: x must be a contiguous [T, N, D] fp32 CPU tensor");
-  const int64_t T = x.size(0), N = x.size(1), D = x.size(2), h = D / 2;
+  const int64_t T = x.size(0), N = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0, "rope: the head size must be even");
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kFloat &&
@@ -656,14 +662,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const float* ps = sin.data_ptr<float>();
   float* py = y.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* a = px + (t * N + n) * D;
-      const float* c = pc + t * D;
-      const float* s = ps + t * D;
-      float* o = py + (t * N + n) * D;
-      for (int64_t i = 0; i < h; ++i) o[i] = a[i] * c[i] + (-a[i + h]) * s[i];
-      for (int64_t i = h; i < D; ++i) o[i] = a[i] * c[i] + a[i - h] * s[i];
-    }
+    for (int64_t n = 0; n < N; ++n) rope_row(px + (t * N + n) * D, pc + t * D, ps + t * D, py + (t * N + n) * D, D);
   return y;
 }
 
@@ -679,12 +678,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // row-count invariant) in the same order, so verification and decoding give bitwise the same hidden state.
 // q [T, N*D], k / v [T, KV*D] (inner stride 1, any row stride: views of the fused projection), cos / sin [T, D],
 // k_cache / v_cache [lanes, KV, max_len, D]; mask bool [T, start + T - kv_from] (None: causal). Returns [T, N*D].
-inline void rope_row(const float* a, const float* c, const float* s, float* o, int64_t D) {
-  const int64_t h = D / 2;  // the same products and sum as the rope op and model.apply_rope
-  for (int64_t i = 0; i < h; ++i) o[i] = a[i] * c[i] + (-a[i + h]) * s[i];
-  for (int64_t i = h; i < D; ++i) o[i] = a[i] * c[i] + a[i - h] * s[i];
-}
-
 inline float dot(const float* a, const float* b, int64_t D) {
   Vec acc = vzero();
   int64_t i = 0;
@@ -884,6 +877,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // gu [R, 2I] (the fused gate / up projection) -> [R, I]. silu(g) = g / (1 + e^-g), computed from e = exp(-|g|) so
 // the exponential never overflows: g / (1 + e) for g >= 0, g e / (1 + e) below. One pass instead of three ops;
 // the MLP uses it for every fp32 row where the kernels run, so a row's result never depends on the path it took.
+inline float silu_from(float g, float e) {  // silu(g) given e = exp(-|g|)
+  return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+}
+
 inline float silu1(float g) {
   float e;
 #if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
@@ -894,7 +891,7 @@ inline float silu1(float g) {
 #else
   e = std::exp(-std::fabs(g));
 #endif
-  return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+  return silu_from(g, e);
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -916,10 +913,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       float a[W];
       for (int l = 0; l < W; ++l) a[l] = -std::fabs(g[i + l]);
       vstore(e, vexp_nonpositive(vload(a)));
-      for (int l = 0; l < W; ++l) {
-        const float x = g[i + l];
-        o[i + l] = (x >= 0.0f ? x / (1.0f + e[l]) : (x * e[l]) / (1.0f + e[l])) * u[i + l];
-      }
+      for (int l = 0; l < W; ++l) o[i + l] = silu_from(g[i + l], e[l]) * u[i + l];
     }
 #endif
     for (; i < I; ++i) o[i] = silu1(g[i]) * u[i];
