@@ -121,13 +121,13 @@ def test_probes_decide_early_and_a_lost_request_carries_over():
     assert not g.ar
     run_spec(g, 1, 3.0, 1)  # ... the full window does (0.33 token/s): go AR
     assert run_ar(g) == 2
-    run_spec(g, 1, 3.0, 3)  # in a probe, warm-up then two rounds under half the AR rate decide
+    run_spec(g, 1, 1.6, 3)  # in a probe, warm-up then two rounds well under the AR rate (0.62x) decide
     assert run_ar(g) == 4
     g.begin()  # the request lost as a whole: the next one starts with the next stretch
     assert run_ar(g) == 8
     g.begin()  # one decoded all in AR keeps that verdict, and its stretch ended: the probe is due now
     assert not g.ar
-    run_spec(g, 1, 3.0, 3)  # it fails (warm-up, then two rounds under half the AR rate): 8 AR steps owed
+    run_spec(g, 1, 3.0, 3)  # it fails (warm-up, then two rounds at a third of the AR rate): 8 AR steps owed
     for left in (5, 2):  # requests of 3 tokens carry on what is left of the stretch, they do not restart it
         for _ in range(3):
             assert g.ar
@@ -139,6 +139,16 @@ def test_probes_decide_early_and_a_lost_request_carries_over():
     assert not g.ar
     g.begin()  # and a request that won as a whole lets the next one speculate first
     assert not g.ar
+
+
+def test_a_probe_near_the_ar_rate_runs_its_full_window():
+    g = Guard(GuardConfig(window=4, ar_steps=2, max_ar_steps=8), ar_step_s=1.0)  # AR: 1 token/s
+    run_spec(g, 1, 3.0, 5)  # warm-up and a full window at a third of the AR rate: go AR
+    assert run_ar(g) == 2
+    run_spec(g, 1, 1.2, 3)  # a probe at 0.83x the AR rate: two rounds do not decide it ...
+    assert not g.ar
+    run_spec(g, 2, 1.0, 2)  # ... the window does: (1 + 1 + 2 + 2) tokens in 4.4 s beats AR
+    assert not g.ar and g.stretch == 2
 
 
 def test_policy_measures_ar_when_it_has_no_figure():

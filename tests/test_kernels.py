@@ -29,6 +29,17 @@ def linear(isa: str, bw: BlockedWeight, x: torch.Tensor, n: int | None = None) -
     return kernels.library(isa).draft_linear(x, bw.data, -(-n // LANES))[:, :n]
 
 
+def test_host_code_builds_are_keyed_by_the_host(monkeypatch, tmp_path):
+    """The generic build is compiled for the host (-march=native): a cache shared by two CPUs keeps one build
+    per CPU; the intrinsic builds target a fixed ISA and are shared."""
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path))
+    here = {isa: kernels._build_dir(isa) for isa in kernels.ISAS}
+    monkeypatch.setattr(kernels, "_host_fingerprint", lambda: b"another CPU")
+    assert kernels._build_dir("generic") != here["generic"]
+    assert kernels._build_dir("generic", native=False) == kernels._build_dir("generic", native=False)
+    assert all(kernels._build_dir(isa) == here[isa] for isa in ("avx512", "avx2"))
+
+
 def test_host_isas_and_forcing_a_narrower_one(monkeypatch):
     """generic runs everywhere; the active build is the widest one, or the one SPECHEAD_ISA names."""
     isas = kernels.host_isas()

@@ -19,11 +19,13 @@ class GuardConfig:
     as a whole starts with it); a probe that beats AR resets it. A stretch left unfinished at the end of a
     request carries on into the next one, so a probe comes at least every ``max_ar_steps`` AR steps whatever
     the requests' lengths (restarted per request, a stretch longer than the requests never ended: the full
-    head on Gemma 3 270M, 1.6x AR raw, was held at AR for 2,220 of 2,256 steps). In a probe, two rounds
-    decide already when speculation runs at under half the AR rate. A window of 4 rounds was too noisy: a
-    few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a third of their
-    tokens; probing a drafter that never hits for a full window per request cost 30 % of AR's speed (the
-    fifth session's benchmark, results/bench/portable)."""
+    head on Gemma 3 270M, 1.6x AR raw, was held at AR for 2,220 of 2,256 steps). A window of 4 rounds was
+    too noisy: a few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a
+    third of their tokens. In a probe, two rounds decide already when speculation runs at under
+    ``Guard.PROBE_EARLY`` (3/4) of the AR rate: probing a drafter that never hits for a full window per
+    request cost 30 % of AR's speed (the fifth session's benchmark, results/bench/portable), and with the
+    early exit at half the AR rate a drafter that never hits on the demo target (1-token rounds of 1.96 AR
+    steps) still ran every probe for a full window: 0.94x AR (eleventh session, results/bench/zen3)."""
 
     enabled: bool = True
     window: int = 8
@@ -52,6 +54,7 @@ class Guard:
     measured ``ar_step_s`` when one is given) lives as long as the decoder; the rest is per request."""
 
     SAMPLES = 32  # AR step times the median is taken over
+    PROBE_EARLY = 0.75  # in a probe, two rounds under this fraction of the AR rate send it back to AR
 
     def __init__(
         self, cfg: GuardConfig, ar_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter
@@ -111,9 +114,9 @@ class Guard:
         self.spent = (self.spent[0] + tokens, self.spent[1] + seconds)
         toks, secs = sum(t for t, _ in self.rounds), sum(s for _, s in self.rounds)
         # a full window decides; in a probe after an AR stretch two rounds already do when speculation runs
-        # at under half the AR rate (probing a drafter that never hits for a whole window cost more than the
+        # well under the AR rate (probing a drafter that never hits for a whole window cost more than the
         # guard saved; at the start of a request, two unlucky rounds of a good drafter must not decide)
-        early = self.probing and len(self.rounds) >= 2 and self._slower(toks, secs, 0.5)
+        early = self.probing and len(self.rounds) >= 2 and self._slower(toks, secs, self.PROBE_EARLY)
         if len(self.rounds) < self.cfg.window and not early:
             return
         if self.ar_step_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)

@@ -14,18 +14,20 @@ in one op (``NanoSpecHead._append`` is the reference).
 One source, one build per instruction set, each registering its ops under its own namespace
 (``torch.ops.spechead_avx512``, ``spechead_avx2``, ``spechead_generic``): ``avx512`` (AVX-512F),
 ``avx2`` (AVX2 + FMA: every x86-64 since Haswell and Zen 1) and ``generic`` (portable C++, no
-intrinsics: ARM and older x86). The library uses the widest one the CPU runs; ``SPECHEAD_ISA``
-forces a narrower one (so an AVX-512 machine tests the other paths), ``SPECHEAD_KERNELS=0`` disables
-them (then ``F.linear`` and tensor ops serve). Each build is compiled for the host on first use with
-torch's C++ extension tooling (10-30 s, then cached under ``$SPECHEAD_CACHE/kernels/<isa>-<hash>``,
-the hash covering the source, the flags and the torch version). Design and measurements:
-docs/heads.md, "CPU kernels".
+intrinsics: ARM and older x86; the compiler lowers its vector types for the host, ``-march=native``,
+and the build is keyed by the host's CPU flags). The library uses the widest one the CPU runs;
+``SPECHEAD_ISA`` forces a narrower one (so an AVX-512 machine tests the other paths),
+``SPECHEAD_KERNELS=0`` disables them (then ``F.linear`` and tensor ops serve). Each build is compiled
+for the host on first use with torch's C++ extension tooling (10-30 s, then cached under
+``$SPECHEAD_CACHE/kernels/<isa>-<hash>``, the hash covering the source, the flags and the torch
+version). Design and measurements: docs/heads.md, "CPU kernels".
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,9 @@ _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _ISA_FLAGS = {
     "avx512": ["-DSPECHEAD_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
     "avx2": ["-DSPECHEAD_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "generic": [],
+    # portable source, code generated for the host: its vector extensions lower to the widest SIMD it has (on
+    # SSE2 alone, 8-lane vectors spill and an 8-row product ran 12x slower than on AVX2)
+    "generic": ["-march=native"],
 }
 _libs: dict[str, Any] = {}  # isa -> torch.ops namespace, or the reason it is unavailable (str)
 _state: dict[str, Any] = {}  # the build the library uses: "isa", "ops", "why"
@@ -55,9 +59,24 @@ def host_isas() -> list[str]:
     return [*isas, "generic"]
 
 
-def _build_dir(isa: str) -> Path:
-    flags = " ".join(_COMMON_FLAGS + _ISA_FLAGS[isa])
-    tag = hashlib.sha1(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode()).hexdigest()[:12]
+def _host_fingerprint() -> bytes:
+    """What ``-march=native`` compiles for: the machine and the CPU's feature flags, so a cache shared between
+    CPUs never hands one a build for another."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {platform.processor()} {flags}".encode()
+
+
+def _flags(isa: str, native: bool = True) -> list[str]:
+    flags = [*_COMMON_FLAGS, *_ISA_FLAGS[isa]]
+    return flags if native else [f for f in flags if f != "-march=native"]
+
+
+def _build_dir(isa: str, native: bool = True) -> Path:
+    flags = _flags(isa, native)
+    host = _host_fingerprint() if "-march=native" in flags else b""
+    tag = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + host)
+    tag = tag.hexdigest()[:12]
     root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
     path = root / "kernels" / f"{isa}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
@@ -85,14 +104,23 @@ def _build(isa: str) -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=f"{name}_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=[*_COMMON_FLAGS, *_ISA_FLAGS[isa], f"-DSPECHEAD_NS={name}"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir(isa)),
-            is_python_module=False,
-        )
+        def compile_(native: bool) -> None:
+            load(
+                name=f"{name}_kernels",
+                sources=[str(SOURCE)],
+                extra_cflags=[*_flags(isa, native), f"-DSPECHEAD_NS={name}"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(_build_dir(isa, native)),
+                is_python_module=False,
+            )
+
+        try:
+            compile_(native=True)
+        except Exception:
+            if "-march=native" not in _ISA_FLAGS[isa]:
+                raise
+            compile_(native=False)  # a compiler without -march=native: the baseline target's code
+
         ops = getattr(torch.ops, name)
         if not hasattr(ops, "draft_linear"):
             return f"the {isa} build registered no ops"
