@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from spechead.model.loading import load_target
+
+
+def pytest_collection_modifyitems(config, items):
+    """On the second and later kernel paths of `make test` (SPECHEAD_TEST_REPEAT=1), leave out the tests marked
+    `once`: what they check cannot differ between paths, and the first path ran them."""
+    if os.environ.get("SPECHEAD_TEST_REPEAT") != "1":
+        return
+    once = [item for item in items if item.get_closest_marker("once")]
+    if once:
+        config.hook.pytest_deselected(items=once)
+        items[:] = [item for item in items if not item.get_closest_marker("once")]
 
 
 @pytest.fixture(scope="module")

@@ -99,6 +99,7 @@ def test_mixed_sampling_settings_in_one_batch(tiny_small_vocab_dir):
     assert results[rids[1]].tokens == alone.tokens
 
 
+@pytest.mark.once  # the acceptance rule, per request
 def test_batched_sampling_matches_target_distribution(tiny_small_vocab_dir):
     """2,000 seeded requests, eight at a time: the law of the output is the target's (chi-square), and the
     test has power against a slightly different law."""

@@ -13,6 +13,7 @@ def run(*args, timeout=300):
     )
 
 
+@pytest.mark.once  # refused before any decoding
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -35,6 +36,7 @@ def test_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+@pytest.mark.once  # refused at load
 def test_corrupt_drafter_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -184,7 +184,12 @@ def chi2_pvalue(samples, law, positions):
 
 
 @pytest.mark.parametrize(
-    "cfg", [SamplingConfig(1.0), SamplingConfig(1.5, top_p=0.95, top_k=10)], ids=["t1", "topp-topk"]
+    "cfg",
+    [
+        SamplingConfig(1.0),  # every path: the draft head's probabilities as that path computes them
+        pytest.param(SamplingConfig(1.5, top_p=0.95, top_k=10), marks=pytest.mark.once),  # + the filters' rule
+    ],
+    ids=["t1", "topp-topk"],
 )
 def test_sampling_matches_target_distribution(tiny_small_vocab_dir, cfg):
     """Several candidates per node (8 of 16 tokens): accepted and rejected drafts both occur."""
@@ -202,6 +207,7 @@ def test_sampling_matches_target_distribution(tiny_small_vocab_dir, cfg):
     assert chi2_pvalue(samples, wrong, [0, 1, 2]) < 1e-3
 
 
+@pytest.mark.once  # the lookup branch and the acceptance rule
 def test_sampling_with_lookup_matches_target_distribution(tiny_small_vocab_dir):
     """Lookup tokens are point-mass drafts like any other: the law of the output is the target's.
 

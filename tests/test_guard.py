@@ -279,6 +279,7 @@ class Alternating(Guard):
             self.ar_left = 1
 
 
+@pytest.mark.once  # the guard chooses modes; the law is the acceptance rule's
 def test_sampling_law_is_unchanged(tiny_small_vocab_dir):
     cfg = SamplingConfig(1.0)
     dec = make_decoder(tiny_small_vocab_dir, tree="8x1x12")

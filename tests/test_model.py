@@ -138,6 +138,7 @@ def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
     assert head.blocked is None and 4 in head.packed
 
 
+@pytest.mark.once  # GGUF parsing only
 def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
     """The demo's GGUF converted to the same weights as the cached folder, with one parse of the file (transformers
     asks for three: Gemma 3's vocabulary makes each cost minutes)."""
