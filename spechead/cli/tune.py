@@ -31,7 +31,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def add_cli(sub) -> None:
     """The ``tune`` subcommand."""
-    from spechead.tuning.calibrate import BUDGET_S, BUDGET_STEPS
+    from spechead.tuning.calibrate import BUDGET_S, BUDGET_STEPS, CAP_S
 
     t = sub.add_parser("tune", help="measure this machine's costs and the drafter's acceptance; pick the tree")
     add_target(t)
@@ -44,7 +44,7 @@ def add_cli(sub) -> None:
         type=float,
         default=None,
         help=f"no acceptance pass ends past this many seconds of tuning (default: {BUDGET_S:g}, or "
-        f"{BUDGET_STEPS} AR steps of a slower target)",
+        f"{BUDGET_STEPS} AR steps of a slower target, at most {CAP_S:g})",
     )
     t.add_argument("--show", action="store_true", help="print every measurement and why the tree was chosen")
     t.add_argument("--force", action="store_true", help="measure again even if a tuning is cached")

@@ -75,12 +75,17 @@ CALIBRATION_COMPLETION = (
         "before a final vote.\n\nSummary:",
     ),
 )
-NEW_TOKENS = 32  # per calibration prompt
+# per calibration prompt (with 32, two passes over the candidates ended past a minute for the demo on a 2-core Zen 3)
+NEW_TOKENS = 24
 MIN_TOKENS = 12  # what a slow machine still decodes per prompt (fewer when asked for fewer)
 BUDGET_S = 45.0  # no acceptance pass that would end past this many seconds of tuning; gather adds ~4 runs
 # ...or, for a slower target, past this many of its AR steps (45 s is 1,800 of the demo's 25 ms steps): one pass of
 # every candidate over one prompt is a noisy sample, and Gemma 3 270M's 40 ms steps left time for no second one
 BUDGET_STEPS = 1800
+# ...but never past this: a first use must stay under a minute (issue 12), and on a 2-core AMD EPYC Zen 3 the demo's
+# 38 ms steps made the step budget 68 s and a tuning 66 s. Past it, a slow target's candidates are pruned to the
+# best few after the first prompt instead of the second (``prune``)
+CAP_S = 48.0
 MIN_PASSES = 2  # prompts every candidate decodes before any is dropped for predicting too little (budget allowing)
 AR_PROMPTS = 2
 GATHER_PROMPTS = 2
@@ -186,7 +191,7 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
         ar_tokens = sum(max(len(r["tokens"]) - 1, 0) for r in ar_runs)
         ar_step_ms = 1e3 * sum(r["decode_s"] for r in ar_runs) / max(ar_tokens, 1)
         if budget_s is None:
-            budget_s = max(BUDGET_S, BUDGET_STEPS * ar_step_ms / 1e3)
+            budget_s = min(CAP_S, max(BUDGET_S, BUDGET_STEPS * ar_step_ms / 1e3))
         del ar_dec
         # acceptance: the real engine, every candidate, prompt by prompt
         cands = [new_candidate(t) for t in grid]

@@ -20,7 +20,7 @@ What is measured (medians, in ms):
   only its acceptance matters (the output is the target's own). Prompts run as passes over the candidates;
   after two passes, all but the best (``MIN_KEEP``, and any within ``KEEP_FRAC`` of the best) are dropped,
   and no pass starts that would end past the time budget (``BUDGET_S``, or ``BUDGET_STEPS`` AR steps of a slower
-  target: the first pass always runs, with
+  target, at most ``CAP_S``: the first pass always runs, with
   fewer tokens per prompt on a machine too slow for it; the next one, if need be, with the best only).
 
 The prediction (``tuning.predict``) is the benchmark's cost decomposition (``speedup.speedup_model``):
