@@ -5,7 +5,12 @@
 set -euo pipefail
 OUT=results/bench/zen3
 SH=".venv/bin/spechead"; PY=".venv/bin/python"
-for head in full nanospec lowrank; do $SH tune --threads 2 --head $head --quiet > /dev/null; $SH tune --threads 2 --head $head --show > "$OUT/tune_$head.txt"; done
+# the bench's `lowrank` decodes the shipped rank-72 SlimSpec drafter (EAGLE-3), the others the EAGLE-2 drafter
+for head in full nanospec lowrank; do
+  D=(); [ $head = lowrank ] && D=(--drafter spechead/drafters/eagle3-lowrank72 --arch eagle3)
+  $SH tune --threads 2 --head $head "${D[@]}" --quiet > /dev/null
+  $SH tune --threads 2 --head $head "${D[@]}" --show > "$OUT/tune_$head.txt"
+done
 TREE=$(grep '^chosen: tree' "$OUT/tune_nanospec.txt" | sed 's/^chosen: tree \([^ ,:]*\(:[0-9][0-9]*\)\?\).*/\1/')
 echo "nanospec's tuned tree: $TREE"
 $SH bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 --threads 2 \
