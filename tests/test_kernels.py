@@ -40,6 +40,26 @@ def test_host_code_builds_are_keyed_by_the_host(monkeypatch, tmp_path):
     assert all(kernels._build_dir(isa) == here[isa] for isa in ("avx512", "avx2"))
 
 
+def test_a_compiler_without_march_native_gets_the_baseline_build(monkeypatch, tmp_path):
+    """The generic build asks for -march=native first; where the compiler refuses, it is built again without it,
+    and a build that fails both ways is a reason, never an exception (the library falls back)."""
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path))
+    calls = []
+
+    def refusing_load(name, sources, extra_cflags, build_directory, **kw):
+        calls.append(("-march=native" in extra_cflags, build_directory))
+        raise RuntimeError("unrecognized command-line option")
+
+    monkeypatch.setattr(ext, "load", refusing_load)
+    why = kernels._build("generic")
+    assert [native for native, _ in calls] == [True, False] and calls[0][1] != calls[1][1]
+    assert why.startswith("generic build failed: RuntimeError")
+    calls.clear()
+    assert kernels._build("avx2").startswith("avx2 build failed") and [n for n, _ in calls] == [False]
+
+
 def test_host_isas_and_forcing_a_narrower_one(monkeypatch):
     """generic runs everywhere; the active build is the widest one, or the one SPECHEAD_ISA names."""
     isas = kernels.host_isas()
