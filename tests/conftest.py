@@ -15,10 +15,12 @@ def pytest_collection_modifyitems(config, items):
     `once`: what they check cannot differ between paths, and the first path ran them."""
     if os.environ.get("SPECHEAD_TEST_REPEAT") != "1":
         return
-    once = [item for item in items if item.get_closest_marker("once")]
+    keep, once = [], []
+    for item in items:
+        (once if item.get_closest_marker("once") else keep).append(item)
     if once:
         config.hook.pytest_deselected(items=once)
-        items[:] = [item for item in items if not item.get_closest_marker("once")]
+        items[:] = keep
 
 
 @pytest.fixture(scope="module")

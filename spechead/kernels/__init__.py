@@ -40,12 +40,13 @@ SOURCE = Path(__file__).parent / "csrc" / "draft_gemm.cpp"
 ISAS = ("avx512", "avx2", "generic")  # widest first
 # -ffp-contract=off: no mul+add is fused behind the code's back, so a build's accumulation order is the code's
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_NATIVE = "-march=native"  # the generic build's only flag; a compiler without it gets the baseline target
 _ISA_FLAGS = {
     "avx512": ["-DSPECHEAD_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
     "avx2": ["-DSPECHEAD_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
     # portable source, code generated for the host: its vector extensions lower to the widest SIMD it has (on
     # SSE2 alone, 8-lane vectors spilled: an 8-row forward of the demo target took 727 ms against 76 ms)
-    "generic": ["-march=native"],
+    "generic": [_NATIVE],
 }
 _libs: dict[str, Any] = {}  # isa -> torch.ops namespace, or the reason it is unavailable (str)
 _state: dict[str, Any] = {}  # the build the library uses: "isa", "ops", "why"
@@ -69,12 +70,12 @@ def _host_fingerprint() -> bytes:
 
 def _flags(isa: str, native: bool = True) -> list[str]:
     flags = [*_COMMON_FLAGS, *_ISA_FLAGS[isa]]
-    return flags if native else [f for f in flags if f != "-march=native"]
+    return flags if native else [f for f in flags if f != _NATIVE]
 
 
 def _build_dir(isa: str, native: bool = True) -> Path:
     flags = _flags(isa, native)
-    host = _host_fingerprint() if "-march=native" in flags else b""
+    host = _host_fingerprint() if _NATIVE in flags else b""
     tag = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + host)
     tag = tag.hexdigest()[:12]
     root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
@@ -117,7 +118,7 @@ def _build(isa: str) -> Any:
         try:
             compile_(native=True)
         except Exception:
-            if "-march=native" not in _ISA_FLAGS[isa]:
+            if _NATIVE not in _ISA_FLAGS[isa]:
                 raise
             compile_(native=False)  # a compiler without -march=native: the baseline target's code
 

@@ -699,6 +699,17 @@ inline float row_max(const float* x, int64_t n) {
   return *std::max_element(m, m + 8);
 }
 
+// Every 64-byte cache line of n floats from p (a key or value row of 64 floats is four lines: prefetching its first
+// line alone left attention waiting on the other three when the cache lane streams from memory).
+inline void prefetch_floats(const float* p, int64_t n) {
+  for (int64_t off = 0; off < n; off += 16) prefetch(p + off);
+}
+
+// The end of the run of list[from, count) below `slot`: the visible slots of one 64-slot block (the list is sorted).
+inline int64_t slots_before(const int32_t* list, int64_t from, int64_t count, int64_t slot) {
+  return std::lower_bound(list + from, list + count, static_cast<int32_t>(slot)) - list;
+}
+
 constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
 constexpr int64_t kAttnBlock = 64;  // slots whose keys (16 KB at 64 fp32 values a head), then values, sit in L1
 
@@ -710,8 +721,7 @@ inline void weigh_values(const float* v, int64_t D, const int32_t* list, const f
   for (int u = 0; u < NB; ++u) r[u] = vload(a + u * W);
   for (int64_t j = j0; j < j1; ++j) {
     const float* row = v + list[j] * D;
-    if (j + kAttnAhead < j1)  // every cache line of the row ahead (a row of 64 values is four)
-      for (int off = 0; off < NB * W; off += 16) prefetch(v + list[j + kAttnAhead] * D + off);
+    if (j + kAttnAhead < j1) prefetch_floats(v + list[j + kAttnAhead] * D, NB * W);
     const Vec pj = vset1(p[j]);
     for (int u = 0; u < NB; ++u) r[u] = vfma(pj, vload(row + u * W), r[u]);
   }
@@ -805,15 +815,14 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         for (int64_t i = 0; i < nq; ++i) {
           const int32_t* list = lq[i];
           int64_t j = at[i];
-          const int64_t j1 = std::lower_bound(list + j, list + cq[i], static_cast<int32_t>(b1)) - list;
+          const int64_t j1 = slots_before(list, j, cq[i], b1);
           if (D % W == 0)
             for (; j + 8 <= j1; j += 8) {
               const float* kr[8];
               Vec a[8];
               for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D, a[u] = vzero();
               if (i == 0 && j + kAttnAhead + 8 <= cq[i])  // a step streams the lane from memory: rows well ahead
-                for (int u = 0; u < 8; ++u)
-                  for (int64_t off = 0; off < D; off += 16) prefetch(kh + list[j + kAttnAhead + u] * D + off);
+                for (int u = 0; u < 8; ++u) prefetch_floats(kh + list[j + kAttnAhead + u] * D, D);
               for (int64_t d = 0; d < D; d += W) {
                 const Vec qd = vload(qq[i] + d);
                 for (int u = 0; u < 8; ++u) a[u] = vfma(qd, vload(kr[u] + d), a[u]);
@@ -854,7 +863,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         for (int64_t i = 0; i < nq; ++i) {
           const int32_t* list = lq[i];
           const int64_t j0 = at[i];
-          const int64_t j1 = std::lower_bound(list + j0, list + cq[i], static_cast<int32_t>(b1)) - list;
+          const int64_t j1 = slots_before(list, j0, cq[i], b1);
           float* ai = acc.data() + i * D;
           int64_t d = 0;
           for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, sq[i], j0, j1, ai + d);
