@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from spechead.bench.suites import EVAL_DIR_ENV
 from spechead.model.loading import load_target
+
+# The named suites the tests read: a small hand-written set in Spec-Bench's and HumanEval's format (every
+# Spec-Bench category), so that tests never depend on the data sets next to the checkout. Set here, before any
+# test runs, so that the CLI's default and any subprocess see it too.
+os.environ[EVAL_DIR_ENV] = str(Path(__file__).parent / "data" / "eval")
 
 
 def pytest_collection_modifyitems(config, items):
