@@ -349,6 +349,7 @@ def test_metrics_exposed(server):
         "spechead_requests_total",
         "spechead_prompt_tokens_total",
         "spechead_generation_tokens_total",
+        "spechead_prefill_seconds_total",
         "spechead_tokens_per_second",
         'spechead_tau{head="full"}',
         "spechead_queue_waiting",
@@ -356,6 +357,7 @@ def test_metrics_exposed(server):
     ):
         assert name in text, name
     assert server.metric("spechead_generation_tokens_total") > 0
+    assert server.metric("spechead_prefill_seconds_total") > 0
     assert 'status="503"' in text and 'status="400"' in text
 
 
@@ -521,3 +523,4 @@ def test_batched_server_concurrent_clients(batched_server, reference):
     assert server.metric("spechead_request_tokens_per_second_count") >= 10
     rounds = server.metric("spechead_batch_rounds_total")
     assert server.metric("spechead_batch_request_rounds_total") / rounds > 1.5  # rounds really were shared
+    assert server.metric("spechead_prefill_seconds_total") > 0

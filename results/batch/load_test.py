@@ -68,6 +68,14 @@ def serve(max_batch: int, head: str, threads: int, log: Path) -> tuple[subproces
         time.sleep(0.2)
 
 
+def prefill_seconds(url: str) -> float:
+    """The server's prefill time so far (``spechead_prefill_seconds_total``)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("spechead_prefill_seconds_total"):
+            return float(line.split()[-1])
+    return float("nan")
+
+
 def run_load(url: str, prompts: list[str], clients: int, rounds: int, max_tokens: int) -> dict:
     results, lock = [], threading.Lock()
 
@@ -166,14 +174,15 @@ def main() -> int:
         try:
             warm = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
             warm.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-            rss0 = rss_mib(proc.pid)
+            rss0, prefill0 = rss_mib(proc.pid), prefill_seconds(url)
             res = run_load(url, prompts, args.clients, args.rounds, args.max_tokens)
             time.sleep(1.0)
             res["rss_before_mib"], res["rss_after_mib"] = rss0, rss_mib(proc.pid)
             res["health_after"] = httpx.get(url + "/health").json()
             res["wrong_answers"] = sum(r["outcome"] == "ok" and r["text"] != want[r["prompt"]] for r in res["results"])
             metrics = httpx.get(url + "/metrics").text
-            res["metrics"] = [m for m in metrics.splitlines() if m.startswith("spechead_batch")]
+            res["metrics"] = [m for m in metrics.splitlines() if m.startswith(("spechead_batch", "spechead_prefill"))]
+            res["prefill_s"] = prefill_seconds(url) - prefill0  # the serial part: batching cannot share it
         finally:
             proc.terminate()
             proc.wait(30)
@@ -182,6 +191,7 @@ def main() -> int:
         print(f"--max-batch {mb}: {res['tokens_per_s']:.1f} tok/s total, {res['completed']}/{res['requests']} "
               f"completed, {res['dropped']} dropped, errors {res['errors']}, wrong {res['wrong_answers']}, "
               f"p50 {res['latency_p50_s']:.1f} s, p99 {res['latency_p99_s']:.1f} s, "
+              f"prefill {res['prefill_s']:.1f} of {res['wall_s']:.1f} s, "
               f"RSS {rss0:.0f} -> {res['rss_after_mib']:.0f} MiB", flush=True)  # fmt: skip
     runs = out["runs"]
     if "1" in runs and len(runs) > 1:

@@ -172,6 +172,7 @@ class BatchWorker(DecodeWorker):
             return
         self._release([event.rid])
         m.prompt_tokens.inc(event.result.prompt_len)
+        m.prefill_seconds.inc(event.result.prefill_s)
         m.generation_tokens.inc(len(live.tokens))
         if job.cancelled.is_set() or live.stopped_by_text:
             return

@@ -15,6 +15,8 @@ class Metrics:
         self.timeouts = Counter("spechead_requests_timed_out", "Requests over the time limit", registry=r)
         self.prompt_tokens = Counter("spechead_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("spechead_generation_tokens", "Tokens generated", registry=r)
+        # prefill is what batching cannot share: under a prompt-heavy load its share bounds what batching gains
+        self.prefill_seconds = Counter("spechead_prefill_seconds", "Wall time spent prefilling prompts", registry=r)
         self.tokens_per_s = Gauge("spechead_tokens_per_second", "Decode rate of the last request", registry=r)
         self.tau = Gauge("spechead_tau", "Tokens per target forward, last request", ["head"], registry=r)
         self.tau_summary = Summary("spechead_request_tau", "Tokens per target forward per request", registry=r)

@@ -261,13 +261,15 @@ class DecodeWorker:
         tokens: list[int] = []
         rounds: list[int] = []
         result: GenerationResult | None = None
-        t0 = time.perf_counter()
+        t0, prefill_s = time.perf_counter(), 0.0
         gen = dec.stream(p.prompt_ids, p.max_tokens, p.sampling, speculative=True)
         try:
             for item in gen:
                 if isinstance(item, GenerationResult):
                     result = item
                     break
+                if not rounds:  # the first chunk is the prefill's token
+                    prefill_s = time.perf_counter() - t0
                 tokens += item
                 rounds.append(len(item))
                 piece = text.push(tokens)
@@ -279,6 +281,7 @@ class DecodeWorker:
             gen.close()  # frees the decoder at once when we stop early
         decode_s = time.perf_counter() - t0
         m.prompt_tokens.inc(len(p.prompt_ids))
+        m.prefill_seconds.inc(prefill_s)
         m.generation_tokens.inc(len(tokens))  # work done, even for a request cancelled half-way
         if job.cancelled.is_set():
             return
