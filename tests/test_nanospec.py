@@ -188,6 +188,22 @@ def test_lru_evicts_least_recently_hit():
     assert check_invariants(head, w) == {11, 12, 13, 20}
 
 
+def test_ext_from_tokens_takes_no_target_logits_and_extend_adds_ids():
+    """``ext_from=tokens`` (what vLLM can feed): committed tokens and drafts join the set, the target's argmax at
+    the nodes does not; ``extend`` adds ids the way vLLM's drafter sees them."""
+    w = weight()
+    head = NanoSpecHead(w, None, V, w_max=V, ctx_topk=0, ext_from="tokens")
+    head.begin(torch.tensor([1, 2]), None)
+    logits = torch.zeros(2, V)
+    logits[0, 30], logits[1, 31] = 1.0, 1.0  # the target's argmax at the two nodes
+    head.observe(torch.tensor([5, 6]), logits, [5, 7])
+    assert check_invariants(head, w) == {1, 2, 5, 6, 7}
+    head.extend(torch.tensor([9, 2], dtype=torch.int32))  # vLLM's ids are int32
+    assert check_invariants(head, w) == {1, 2, 5, 6, 7, 9}
+    with pytest.raises(SpecheadError, match="ext_from"):
+        NanoSpecHead(w, None, V, ext_from="nodes")
+
+
 def test_coverage_telemetry_on_a_hand_made_sequence():
     w = weight()
     head = NanoSpecHead(w, None, V, w_max=V, ext_topk=0, ctx_topk=0)

@@ -57,6 +57,9 @@ DEFAULT_W_MAX = 3072
 SOURCES = {"ctx+ext": (True, True), "ext+ctx": (True, True), "ctx": (True, False), "ext": (False, True)}
 POLICIES = ("stop", "lru")
 GATHERS = ("auto", "sync", "async")
+# Ext's sources: "logits" the paper's (committed tokens, the target's argmax / top-k at every node, the drafts);
+# "tokens" what an engine that shows the head token ids only can give (committed tokens and drafts: vLLM)
+EXT_FROM = ("logits", "tokens")
 # ctx_rows=auto: the target's logits are computed at as many of the last prompt rows as keep the head's share of the
 # prefill within this fraction of the decoder blocks' work. Every row where the head is small (SmolLM2: the head is
 # 0.27 of the blocks' multiply-adds; Llama-3.1-8B: 0.08), the last ~20 % of them where it dominates (Gemma 3 270M:
@@ -75,7 +78,7 @@ class NanoSpecHead(DraftHead):
     needs_prompt_logits = True
     per_round = True
     INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
-    STR_OPTS = {"sources", "policy", "gather", "ctx_rows"}
+    STR_OPTS = {"sources", "policy", "gather", "ctx_rows", "ext_from"}
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class NanoSpecHead(DraftHead):
         policy: str = "stop",
         gather: str = "auto",
         freq: int = 0,
+        ext_from: str = "logits",
         pinned: Tensor | None = None,
     ) -> None:
         super().__init__(weight, row_ids, vocab_size)
@@ -109,6 +113,9 @@ class NanoSpecHead(DraftHead):
             raise SpecheadError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if gather not in GATHERS:
             raise SpecheadError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
+        if ext_from not in EXT_FROM:
+            raise SpecheadError(f"ext_from must be one of {', '.join(EXT_FROM)}; got {ext_from!r}")
+        self.ext_from = ext_from
         self.w_max, self.ext_topk, self.ctx_topk, self.policy = w_max, ext_topk, ctx_topk, policy
         self.sources = sources
         self.use_ctx, self.use_ext = SOURCES[sources]
@@ -222,7 +229,7 @@ class NanoSpecHead(DraftHead):
         self._reset_counters()
         if not self.use_ctx:
             return
-        prompt_ids = prompt_ids.to(self.device).flatten()
+        prompt_ids = prompt_ids.to(device=self.device, dtype=torch.long).flatten()
         n = prompt_ids.numel()
         if prompt_logits is not None and not 0 < prompt_logits.shape[0] <= n:
             # the last rows (those prompt_logit_rows asked for, or all); never stale extra rows (the reference's B1)
@@ -253,13 +260,23 @@ class NanoSpecHead(DraftHead):
         escaped, self._escaped = self._escaped, []
 
         def ext() -> None:
-            # the target's argmax (top-1; ext_topk 0 and 1 are the same) then its top-2..k at every node
-            top = fast_topk(node_logits, min(max(self.ext_topk, 1), node_logits.shape[-1]))[1].T
-            parts = [com, top.flatten(), tree_tokens.to(dev)]
+            parts = [com]
+            if self.ext_from == "logits":  # the target's argmax (ext_topk 0 and 1 are the same), then top-2..k
+                parts.append(fast_topk(node_logits, min(max(self.ext_topk, 1), node_logits.shape[-1]))[1].T.flatten())
+            parts.append(tree_tokens.to(dev))
             parts.extend(escaped)
             self._append(torch.cat(parts))
 
         self._launch(ext)
+
+    def extend(self, ids: Tensor) -> None:
+        """Queue ids that entered the context, for an engine that shows the head token ids only (vLLM's drafter
+        sees the prompt, the committed tokens and its own drafts, never the target's logits): one update of the
+        set, counted as a round for LRU."""
+        self._wait()
+        self.round += 1
+        cand = ids.to(device=self.device, dtype=torch.long).flatten()
+        self._launch(lambda: self._append(cand))
 
     # -- the update -----------------------------------------------------------------------------
     def _launch(self, work: Callable[[], None]) -> None:
