@@ -56,4 +56,14 @@ def test_export_refuses_what_vllm_cannot_run(tiny_target, tmp_path):
         export_vllm(d2, _head(d2, tiny_target, "full"), "full", tmp_path / "e2")
     d3 = random_drafter(tiny_target, "eagle3", seed=1)
     with pytest.raises(SpecheadError, match="cannot run inside vLLM"):
-        export_vllm(d3, _head(d3, tiny_target, "nanospec"), "nanospec", tmp_path / "ns")
+        export_vllm(d3, _head(d3, tiny_target, "hybrid"), "hybrid", tmp_path / "hy")
+
+
+def test_export_nanospec_carries_its_options(tiny_target, tmp_path):
+    """NanoSpec needs only the drafter's own head rows: the folder is the plain checkpoint plus its spec."""
+    d = random_drafter(tiny_target, "eagle3", seed=1)
+    spec = "nanospec:64:ext_from=tokens"
+    out = export_vllm(d, _head(d, tiny_target, spec), spec, tmp_path / "ns")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [VLLM_ARCH] and cfg[CONFIG_KEY]["head"] == spec
+    assert "lm_head_rank" not in cfg and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

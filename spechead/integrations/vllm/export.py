@@ -7,7 +7,8 @@ loader reads, with two additions the spechead plugin (``spechead.integrations.vl
 ``spechead`` block naming the head. The head is resolved here, with spechead's own code, and written as plain
 data, so vLLM needs nothing but the folder: a low-rank head's factors (the drafter's own, re-truncated, or the
 SVD of its full head) go into the checkpoint as ``lm_head.down/up.weight`` with ``lm_head_rank``; a static subset
-(``fr`` / ``vocabtrim``) is written as the token list its head drafts from. Weights are written in float32, the
+(``fr`` / ``vocabtrim``) is written as the token list its head drafts from; ``nanospec[...]`` needs only the
+full head's rows, so its block carries the spec with its options. Weights are written in float32, the
 dtype the engines draft in (bf16 checkpoints widen exactly), so both engines read the same numbers.
 """
 
@@ -22,7 +23,7 @@ from spechead.errors import SpecheadError
 VLLM_ARCH = "SpecheadLlamaForCausalLMEagle3"
 CONFIG_KEY = "spechead"  # the config.json block the plugin reads: {"head": SPEC, ...}
 FORMATS = ("vllm",)
-HEADS = ("full", "lowrank", "fr", "vocabtrim")  # what the plugin's drafter class runs (see docs in the plugin)
+HEADS = ("full", "lowrank", "fr", "vocabtrim", "nanospec")  # what the plugin's drafter class runs (see its docs)
 
 
 def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "") -> Path:
@@ -31,6 +32,7 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
 
     from spechead.heads.full import FullHead
     from spechead.heads.lowrank import LowRankHead
+    from spechead.heads.nanospec import NanoSpecHead
     from spechead.heads.subset import SubsetHead
     from spechead.heads.tokenmaps import save_token_map
     from spechead.model.drafter import Eagle3Drafter
@@ -55,6 +57,8 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
         file = f"{name}_{head.size}.pt"
         save_token_map(head.ids.tolist(), out / file)
         block["head"], block["size"] = f"{name}:{file}", head.size
+    elif isinstance(head, NanoSpecHead):  # the full head's rows, picked per request in vLLM: its options only
+        block["head"] = spec
     elif not isinstance(head, FullHead):
         raise SpecheadError(f"head {spec!r} has no vLLM form")
     cfg["architectures"] = [VLLM_ARCH]

@@ -15,6 +15,13 @@ Which head: the ``spechead`` block of the drafter's config.json (``{"head": "low
 over the full matrix reads the checkpoint's ``lm_head.weight`` or, for a drafter tied to the target, the
 target's head, which vLLM shares in after loading (so the head is built on its first call).
 
+NanoSpec (``{"head": "nanospec..."}``) keeps its active vocabulary from what the drafter's ``forward`` sees: the
+token ids vLLM feeds it (the prompt at prefill, then each round's verified tokens with the bonus token, then its
+own drafts). A forward that is one prompt alone (positions 0..n-1) starts a new set, which at batch 1 is the
+paper's per-request set; any other forward adds its ids to one set shared by the batch (vLLM's hooks carry no
+request identity), least recently hit ids evicted at ``W_max``. Not reachable in vLLM: the target's top-3 over
+the prompt and its top-k at the drafted nodes (a proposer never sees the target's logits).
+
 ``has_own_lm_head`` is set only when the checkpoint holds a head: otherwise vLLM's proposer swaps in the
 target's ``lm_head``, which is what a tied drafter wants; the spechead head is then built over it.
 """
@@ -30,9 +37,11 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from spechead.heads import DraftHead, make_head
+from spechead.heads.nanospec import NanoSpecHead
 from spechead.integrations.vllm.export import CONFIG_KEY
 from spechead.model.lowrank import LowRankLinear
 
+NANOSPEC_DEFAULTS = {"policy": "lru", "gather": "sync"}
 HEAD_CALLS: dict[str, int] = {}  # head spec -> draft calls in this process (the integration test reads it)
 
 
@@ -52,6 +61,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
             self.lm_head = LowRankLinear(cfg.hidden_size, cfg.draft_vocab_size, int(rank))
         self._head: DraftHead | None = None
         self.head_calls = 0
+        self.sets_started = 0  # NanoSpec: sets begun at a lone prompt (the integration test reads it)
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -85,6 +95,9 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         name, _, arg = self.head_spec.partition(":")
         if arg and not arg.lstrip("-").isdigit() and not Path(arg).is_absolute() and (self.folder / arg).is_file():
             arg = str(self.folder / arg)  # a token list shipped in the exported folder
+        if name == "nanospec":  # one set for the whole batch: it must evict, and update at the draft call
+            defaults = [f"{k}={v}" for k, v in NANOSPEC_DEFAULTS.items() if f"{k}=" not in arg]
+            arg = ":".join(([arg] if arg else []) + defaults)
         spec = f"{name}:{arg}" if arg else name
         row_ids = None
         if self.draft_id_to_target_id is not None:
@@ -101,6 +114,25 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
     def _count(self) -> None:
         self.head_calls += 1
         HEAD_CALLS[self.head_spec] = HEAD_CALLS.get(self.head_spec, 0) + 1
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, hidden_states: Tensor, inputs_embeds: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        if input_ids is not None and self.head_spec.startswith("nanospec"):
+            self._observe_ids(input_ids, positions)
+        return super().forward(input_ids, positions, hidden_states, inputs_embeds)
+
+    def _observe_ids(self, input_ids: Tensor, positions: Tensor) -> None:
+        """NanoSpec's context as vLLM shows it: a lone prompt (positions 0..n-1) starts a new set, any other
+        forward's ids join the set (see the module docstring)."""
+        head = self.spechead_head()
+        assert isinstance(head, NanoSpecHead)
+        n = positions.numel()
+        if n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:
+            head.begin(input_ids, None)
+            self.sets_started += 1
+        else:
+            head.extend(input_ids)
 
     def get_top_tokens(self, hidden_states: Tensor) -> Tensor:
         """The head's top-1 target id per row [B] (greedy drafts with ``use_local_argmax_reduction``)."""
