@@ -26,7 +26,7 @@ import torch
 
 from spechead.bench.suites import load_suite, round_robin
 from spechead.decoding.session import Session
-from spechead.integrations.vllm.compare import METHODS, export_dir, spechead_run, vllm_config
+from spechead.integrations.vllm.compare import METHODS, engine_args, export_dir, spechead_run, vllm_config
 from spechead.integrations.vllm.run import spawn
 from spechead.tuning.measure import cpu_name
 
@@ -117,8 +117,10 @@ def main() -> int:
     }
     for name in [AR, *names] if args.part in ("all", "vllm") else []:
         t = time.perf_counter()
-        spec = None if name == AR else vllm_config(METHODS[name], export_dir(METHODS[name], session))
-        res["vllm"][name] = spawn({**base, "speculative_config": spec}, timeout_s=1500, cores=cores)
+        method = None if name == AR else METHODS[name]
+        spec = None if method is None else vllm_config(method, export_dir(method, session))
+        job = {**base, "speculative_config": spec, "engine_args": engine_args(method)}
+        res["vllm"][name] = spawn(job, timeout_s=1500, cores=cores)
         summary = {x: round(r["tok_s"], 1) for x, r in res["vllm"][name]["runs"].items()}
         print(f"vLLM {name}: tok/s {summary} ({time.perf_counter() - t:.0f} s)", flush=True)
     if args.part in ("all", "spechead"):

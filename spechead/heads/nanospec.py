@@ -272,7 +272,10 @@ class NanoSpecHead(DraftHead):
     def extend(self, ids: Tensor) -> None:
         """Queue ids that entered the context, for an engine that shows the head token ids only (vLLM's drafter
         sees the prompt, the committed tokens and its own drafts, never the target's logits): one update of the
-        set, counted as a round for LRU."""
+        set, counted as a round for LRU (vLLM calls it at every drafter pass, several a verification round).
+        An Ext source: nothing without it in ``sources``."""
+        if not self.use_ext:
+            return
         self._wait()
         self.round += 1
         cand = ids.to(device=self.device, dtype=torch.long).flatten()

@@ -9,9 +9,9 @@ which ``spechead export --format vllm`` writes. The name ends in ``Eagle3`` so v
                                     "use_local_argmax_reduction": True})
 
 ``use_local_argmax_reduction`` makes vLLM ask the head for its top token (``get_top_tokens``) instead of
-full-vocabulary logits, so a subset head never builds a [B, V] row. NanoSpec builds its set from the token ids
-the drafter's forward sees (``model``: per request at batch 1, one set for a larger batch, since vLLM's hooks
-carry no request identity; the target's top-k sources are not reachable).
+full-vocabulary logits, so a subset head never builds a [B, V] row. NanoSpec keeps one set per request, built from the
+token ids the drafter's forward sees (``model``: a request is told apart by its first KV-cache block, since vLLM's
+hooks carry no request identity; the target's top-k sources are not reachable).
 """
 
 from __future__ import annotations

@@ -68,12 +68,15 @@ def export_dir(method: Method, session: Session, root: Path | None = None) -> Pa
 def vllm_config(method: Method, folder: Path, k: int = 3) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a method: EAGLE-3, a chain of k, greedy drafts through the head's
     ``get_top_tokens`` (no full-vocabulary logits)."""
-    return {
-        "method": "eagle3",
-        "model": str(folder),
-        "num_speculative_tokens": k,
-        "use_local_argmax_reduction": True,
-    }
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k, "use_local_argmax_reduction": True}
+    if method.head.startswith("nanospec"):  # a request's drafter rows: its accepted tokens only (see the plugin)
+        spec["disable_padded_drafter_batch"] = True
+    return spec
+
+
+def engine_args(method: Method | None) -> dict[str, Any]:
+    """vLLM engine arguments a method needs: NanoSpec's per-request sets need prefix caching off (see the plugin)."""
+    return {"enable_prefix_caching": False} if method is not None and method.head.startswith("nanospec") else {}
 
 
 def spechead_run(

@@ -15,12 +15,16 @@ Which head: the ``spechead`` block of the drafter's config.json (``{"head": "low
 over the full matrix reads the checkpoint's ``lm_head.weight`` or, for a drafter tied to the target, the
 target's head, which vLLM shares in after loading (so the head is built on its first call).
 
-NanoSpec (``{"head": "nanospec..."}``) keeps its active vocabulary from what the drafter's ``forward`` sees: the
-token ids vLLM feeds it (the prompt at prefill, then each round's verified tokens with the bonus token, then its
-own drafts). A forward that is one prompt alone (positions 0..n-1) starts a new set, which at batch 1 is the
-paper's per-request set; any other forward adds its ids to one set shared by the batch (vLLM's hooks carry no
-request identity), least recently hit ids evicted at ``W_max``. Not reachable in vLLM: the target's top-3 over
-the prompt and its top-k at the drafted nodes (a proposer never sees the target's logits).
+NanoSpec (``{"head": "nanospec..."}``) keeps one active vocabulary per request, from what the drafter's
+``forward`` sees: the token ids vLLM feeds it (the prompt at prefill, then each round's accepted tokens with the
+bonus token, then its own drafts; ``disable_padded_drafter_batch`` keeps rejected drafts and a neighbour's token out
+of a request's rows). vLLM's hooks name no request, so a request is recognised by the first block of its KV cache
+(the attention metadata vLLM sets for each drafter forward: rows per request, block table), which stays the
+request's own while it runs: rows starting at position 0 begin its set, later rows extend it, and each draft row is
+scored against its own request's set. Where no metadata is at hand (vLLM's profiling runs) one set serves all rows.
+vLLM must run without prefix caching (checked at construction): a cached prefix starts a request past position 0
+on a finished request's block. Not reachable in vLLM: the target's top-3 over the prompt and its top-k at the
+drafted nodes (a proposer never sees the target's logits).
 
 ``has_own_lm_head`` is set only when the checkpoint holds a head: otherwise vLLM's proposer swaps in the
 target's ``lm_head``, which is what a tied drafter wants; the spechead head is then built over it.
@@ -28,12 +32,14 @@ target's ``lm_head``, which is what a tied drafter wants; the spechead head is t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from spechead.heads import DraftHead, make_head
@@ -43,6 +49,7 @@ from spechead.model.lowrank import LowRankLinear
 
 NANOSPEC_DEFAULTS = {"policy": "lru", "gather": "sync"}
 HEAD_CALLS: dict[str, int] = {}  # head spec -> draft calls in this process (the integration test reads it)
+SETS_BEGUN = [0]  # NanoSpec: per-request sets begun in this process (the integration test reads it)
 
 
 class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
@@ -61,7 +68,17 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
             self.lm_head = LowRankLinear(cfg.hidden_size, cfg.draft_vocab_size, int(rank))
         self._head: DraftHead | None = None
         self.head_calls = 0
-        self.sets_started = 0  # NanoSpec: sets begun at a lone prompt (the integration test reads it)
+        # NanoSpec: request key (its first KV-cache block) -> its head, least recently used first; each draft row's key
+        self._sets: OrderedDict[int, NanoSpecHead] = OrderedDict()
+        # one per running request (W_max x d packed rows and three [V] tables each, outside vLLM's memory profile);
+        # a newcomer past the cap takes the least recently used set, a finished request's
+        self._max_sets = vllm_config.scheduler_config.max_num_seqs
+        if self.head_spec.startswith("nanospec") and vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "spechead's nanospec head inside vLLM needs enable_prefix_caching=False: a request whose prefix is "
+                "cached starts past position 0 on a finished request's first block, so its set cannot be told apart"
+            )
+        self._row_keys: list[int] = []
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -95,7 +112,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         name, _, arg = self.head_spec.partition(":")
         if arg and not arg.lstrip("-").isdigit() and not Path(arg).is_absolute() and (self.folder / arg).is_file():
             arg = str(self.folder / arg)  # a token list shipped in the exported folder
-        if name == "nanospec":  # one set for the whole batch: it must evict, and update at the draft call
+        if name == "nanospec":  # sets are reused across requests (evict) and updated at the draft call
             defaults = [f"{k}={v}" for k, v in NANOSPEC_DEFAULTS.items() if f"{k}=" not in arg]
             arg = ":".join(([arg] if arg else []) + defaults)
         spec = f"{name}:{arg}" if arg else name
@@ -123,27 +140,77 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         return super().forward(input_ids, positions, hidden_states, inputs_embeds)
 
     def _observe_ids(self, input_ids: Tensor, positions: Tensor) -> None:
-        """NanoSpec's context as vLLM shows it: a lone prompt (positions 0..n-1) starts a new set, any other
-        forward's ids join the set (see the module docstring)."""
-        head = self.spechead_head()
+        """NanoSpec's context as vLLM shows it: each request's rows begin (at position 0) or extend its set; without
+        attention metadata, one set for all rows (see the module docstring)."""
+        spans = _request_spans()
+        if spans is None:
+            self._row_keys = []
+            head, n = self.spechead_head(), positions.numel()
+            assert isinstance(head, NanoSpecHead)
+            if n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:  # one prompt alone
+                head.begin(input_ids, None)
+            else:
+                head.extend(input_ids)
+            return
+        for key, a, b in spans:
+            head = self._sets.pop(key, None)
+            if head is None:  # a new request: a fresh set, or the least recently used one's, reset
+                head = self._sets.popitem(last=False)[1] if len(self._sets) >= self._max_sets else self._new_set()
+                head.begin(input_ids[a:b], None)
+                SETS_BEGUN[0] += 1
+            elif int(positions[a]) == 0:  # a request that reuses a finished one's first block
+                head.begin(input_ids[a:b], None)
+                SETS_BEGUN[0] += 1
+            else:
+                head.extend(input_ids[a:b])
+            self._sets[key] = head
+        self._row_keys = [key for key, _, _ in spans]
+
+    def _new_set(self) -> NanoSpecHead:
+        with torch.no_grad():
+            head = self._build_head()
         assert isinstance(head, NanoSpecHead)
-        n = positions.numel()
-        if n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:
-            head.begin(input_ids, None)
-            self.sets_started += 1
-        else:
-            head.extend(input_ids)
+        return head
+
+    def _per_row(self, h: Tensor, score: Callable[[DraftHead, Tensor], Tensor]) -> Tensor:
+        """``score`` of each draft row by its own request's head."""
+        self._count()
+        keys = self._row_keys
+        if len(keys) != h.shape[0]:
+            raise RuntimeError(f"nanospec: {h.shape[0]} draft rows for the {len(keys)} requests of the last forward")
+        return torch.cat([score(self._sets[k], h[i : i + 1]) for i, k in enumerate(keys)])
 
     def get_top_tokens(self, hidden_states: Tensor) -> Tensor:
         """The head's top-1 target id per row [B] (greedy drafts with ``use_local_argmax_reduction``)."""
+        if self._row_keys:
+            return self._per_row(hidden_states, lambda head, h: head.topk(h, 1)[1][:, 0])
         self._count()
         return self.spechead_head().topk(hidden_states, 1)[1][:, 0]
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """[B, V] logits over the target vocabulary, -inf outside what the head can propose (vLLM's default
         path and sampled drafts; greedy drafts should go through ``get_top_tokens``)."""
+        if self._row_keys:
+            return self._per_row(hidden_states, lambda head, h: head.reference_logits(h)).to(hidden_states.dtype)
         self._count()
         return self.spechead_head().reference_logits(hidden_states).to(hidden_states.dtype)
+
+
+def _request_spans() -> list[tuple[int, int, int]] | None:
+    """(request key, first row, end row) for each request in the current forward, from its attention metadata:
+    the key is the request's first KV-cache block. None where there is none (profiling runs, other backends)."""
+    if not is_forward_context_available():
+        return None
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):  # micro-batches: one set for the forward (spans would name only the first)
+        meta = meta[0] if len(meta) == 1 else None
+    m = next(iter(meta.values()), None) if isinstance(meta, dict) else None
+    starts, table = getattr(m, "query_start_loc", None), getattr(m, "block_table", None)
+    if starts is None or table is None or table.dim() != 2:
+        return None
+    starts = starts.tolist()
+    keys = table[: len(starts) - 1, 0].tolist()
+    return list(zip(keys, starts[:-1], starts[1:], strict=True))
 
 
 def head_module(model: nn.Module) -> SpecheadEagle3ForCausalLM | None:

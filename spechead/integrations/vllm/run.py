@@ -92,6 +92,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         hf_overrides=job.get("hf_overrides"),
         disable_log_stats=False,
         seed=0,
+        **job.get("engine_args", {}),
     )
     load_s = time.perf_counter() - t0
     greedy = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False))
@@ -113,11 +114,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "spec": _delta(_spec_counters(llm), before),
         }
     try:
-        from spechead.integrations.vllm.model import HEAD_CALLS
+        from spechead.integrations.vllm.model import HEAD_CALLS, SETS_BEGUN
 
-        result["head_calls"] = dict(HEAD_CALLS)
+        result["head_calls"], result["sets_begun"] = dict(HEAD_CALLS), SETS_BEGUN[0]
     except ImportError:  # vLLM without the plugin's dependencies: nothing to count
-        result["head_calls"] = {}
+        result["head_calls"], result["sets_begun"] = {}, 0
     return result
 
 
