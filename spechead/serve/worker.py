@@ -281,7 +281,7 @@ class DecodeWorker:
             gen.close()  # frees the decoder at once when we stop early
         decode_s = time.perf_counter() - t0
         m.prompt_tokens.inc(len(p.prompt_ids))
-        m.prefill_seconds.inc(prefill_s)
+        m.prefill_seconds.inc(result.prefill_s if result is not None else prefill_s)
         m.generation_tokens.inc(len(tokens))  # work done, even for a request cancelled half-way
         if job.cancelled.is_set():
             return
