@@ -64,10 +64,10 @@ def test_plugin_head_lossless_counted_and_same_acceptance(setup, ar, name):
     method = METHODS[name]
     folder = export_dir(method, session, root)
     job = {**_job(session, prompts, vllm_config(method, folder)), "engine_args": engine_args(method)}
-    if method.head.startswith("nanospec"):  # one set per request: the same drafts with all prompts in one batch
+    if method.per_request:  # one set per request: the same drafts with all prompts in one batch
         job["batches"] = [1, len(prompts)]
     res = spawn(job)
-    if method.head.startswith("nanospec"):  # a set begun per request (warm-up, batch 1, batch 3), none shared
+    if method.per_request:  # a set begun per request (warm-up, batch 1, batch 3), none shared
         assert res["sets_begun"] >= 1 + 2 * len(prompts), res["sets_begun"]
     ours = spechead_run(session, method, prompts, MAX_NEW)
     for batch, run in res["runs"].items():

@@ -33,6 +33,11 @@ class Method:
     engine_head: str = ""
 
     @property
+    def per_request(self) -> bool:
+        """A head with state per request (NanoSpec), which needs vLLM set up for it (see the plugin)."""
+        return self.head.partition(":")[0] == "nanospec"
+
+    @property
     def drafter_path(self) -> Path:
         return DEMO_DRAFTERS / self.drafter
 
@@ -69,14 +74,14 @@ def vllm_config(method: Method, folder: Path, k: int = 3) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a method: EAGLE-3, a chain of k, greedy drafts through the head's
     ``get_top_tokens`` (no full-vocabulary logits)."""
     spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k, "use_local_argmax_reduction": True}
-    if method.head.startswith("nanospec"):  # a request's drafter rows: its accepted tokens only (see the plugin)
+    if method.per_request:  # a request's drafter rows: its accepted tokens only (see the plugin)
         spec["disable_padded_drafter_batch"] = True
     return spec
 
 
 def engine_args(method: Method | None) -> dict[str, Any]:
     """vLLM engine arguments a method needs: NanoSpec's per-request sets need prefix caching off (see the plugin)."""
-    return {"enable_prefix_caching": False} if method is not None and method.head.startswith("nanospec") else {}
+    return {"enable_prefix_caching": False} if method is not None and method.per_request else {}
 
 
 def spechead_run(

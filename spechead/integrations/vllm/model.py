@@ -60,6 +60,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         cfg = self.config
         opts = dict(getattr(cfg, CONFIG_KEY, None) or {})
         self.head_spec: str = opts.get("head", "full")
+        self.per_request = self.head_spec.partition(":")[0] == "nanospec"  # a head with state per request
         self.folder = Path(vllm_config.speculative_config.draft_model_config.model)
         self.target_vocab = vllm_config.model_config.get_vocab_size()
         self.has_own_lm_head = False  # until load_weights finds a head in the checkpoint
@@ -73,7 +74,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         # one per running request (W_max x d packed rows and three [V] tables each, outside vLLM's memory profile);
         # a newcomer past the cap takes the least recently used set, a finished request's
         self._max_sets = vllm_config.scheduler_config.max_num_seqs
-        if self.head_spec.startswith("nanospec") and vllm_config.cache_config.enable_prefix_caching:
+        if self.per_request and vllm_config.cache_config.enable_prefix_caching:
             raise ValueError(
                 "spechead's nanospec head inside vLLM needs enable_prefix_caching=False: a request whose prefix is "
                 "cached starts past position 0 on a finished request's first block, so its set cannot be told apart"
@@ -135,7 +136,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
     def forward(
         self, input_ids: Tensor, positions: Tensor, hidden_states: Tensor, inputs_embeds: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        if input_ids is not None and self.head_spec.startswith("nanospec"):
+        if input_ids is not None and self.per_request:
             self._observe_ids(input_ids, positions)
         return super().forward(input_ids, positions, hidden_states, inputs_embeds)
 
@@ -145,24 +146,14 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
         spans = _request_spans()
         if spans is None:
             self._row_keys = []
-            head, n = self.spechead_head(), positions.numel()
-            assert isinstance(head, NanoSpecHead)
-            if n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:  # one prompt alone
-                head.begin(input_ids, None)
-            else:
-                head.extend(input_ids)
+            _feed(self.spechead_head(), input_ids, positions)
             return
         for key, a, b in spans:
             head = self._sets.pop(key, None)
-            if head is None:  # a new request: a fresh set, or the least recently used one's, reset
+            new = head is None
+            if new:  # a new request: a fresh set, or the least recently used one's, reset
                 head = self._sets.popitem(last=False)[1] if len(self._sets) >= self._max_sets else self._new_set()
-                head.begin(input_ids[a:b], None)
-                SETS_BEGUN[0] += 1
-            elif int(positions[a]) == 0:  # a request that reuses a finished one's first block
-                head.begin(input_ids[a:b], None)
-                SETS_BEGUN[0] += 1
-            else:
-                head.extend(input_ids[a:b])
+            SETS_BEGUN[0] += _feed(head, input_ids[a:b], positions[a:b], new)
             self._sets[key] = head
         self._row_keys = [key for key, _, _ in spans]
 
@@ -194,6 +185,18 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
             return self._per_row(hidden_states, lambda head, h: head.reference_logits(h)).to(hidden_states.dtype)
         self._count()
         return self.spechead_head().reference_logits(hidden_states).to(hidden_states.dtype)
+
+
+def _feed(head: DraftHead, ids: Tensor, positions: Tensor, new: bool = False) -> bool:
+    """Begin ``head``'s set on a prompt (rows 0..n-1, or any rows of a request new to it), else extend it with the
+    ids. Returns whether a set was begun."""
+    assert isinstance(head, NanoSpecHead)
+    n = positions.numel()
+    if new or (n and int(positions[0]) == 0 and int(positions[-1]) == n - 1):
+        head.begin(ids, None)
+        return True
+    head.extend(ids)
+    return False
 
 
 def _request_spans() -> list[tuple[int, int, int]] | None:
