@@ -137,6 +137,47 @@ def test_gen_data_is_batched_and_resumable(chat_target, tmp_path):
         generate_data(str(chat_target), [src], out, batch_size=2, max_new_tokens=8)
 
 
+def test_gen_data_on_the_batched_engine_writes_the_targets_own_greedy_replies(chat_target, tmp_path):
+    """Continuous batching (3 lanes, 7 prompts of different lengths, each later one joining as a lane frees): each
+    greedy reply is the target's batch-1 AR decoding of its prompt, token for token, in the prompts' order; the
+    transformers engine writes the same records."""
+    from spechead.decoding.session import Session
+
+    turns = [[{"role": "user", "content": "q" * (1 + 3 * i) + f" {i}?"}] for i in range(7)]
+    src = write_jsonl(tmp_path / "p.jsonl", [{"source": "s", "messages": t} for t in turns])
+    out = tmp_path / "gen.jsonl"
+    assert generate_data(str(chat_target), [src], out, batch_size=3, max_new_tokens=12, engine="spechead") == 7
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    session = Session.open(str(chat_target), max_len=128)
+    decoder = session.decoder()
+    for rec in got:
+        ids = session.encode(rec["messages"][:1])
+        res = decoder.generate(ids, 12, speculative=False)
+        tokens = res.tokens[:-1] if res.stop_reason == "stop_token" else res.tokens
+        assert rec["messages"][1]["content"] == session.decode(tokens)
+    assert json.loads((tmp_path / "gen.jsonl.manifest.json").read_text())["settings"]["engine"] == "spechead"
+    hf = tmp_path / "hf.jsonl"
+    assert generate_data(str(chat_target), [src], hf, batch_size=3, max_new_tokens=12, engine="transformers") == 7
+    assert [json.loads(x) for x in hf.read_text().splitlines()] == got  # fp32, no near-ties on this tiny model
+    with pytest.raises(SpecheadError, match="engine"):
+        generate_data(str(chat_target), [src], tmp_path / "x.jsonl", engine="vllm")
+
+
+def test_sampled_gen_data_resumes_with_the_draws_it_would_have_made(chat_target, tmp_path):
+    """Each prompt's sampling stream is seeded by its place in the order: stopping after 2 prompts and resuming
+    writes what one uninterrupted run writes."""
+    turns = [[{"role": "user", "content": f"tell {i}"}] for i in range(5)]
+    src = write_jsonl(tmp_path / "p.jsonl", [{"source": "s", "messages": t} for t in turns])
+    kw = {"batch_size": 2, "max_new_tokens": 10, "temperature": 1.0, "seed": 7}
+    whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
+    assert generate_data(str(chat_target), [src], whole, **kw) == 5
+    assert generate_data(str(chat_target), [src], parts, stop_after=2, **kw) == 2
+    assert generate_data(str(chat_target), [src], parts, **kw) == 3
+    assert parts.read_text() == whole.read_text()
+    replies = {json.loads(x)["messages"][1]["content"] for x in whole.read_text().splitlines()}
+    assert len(replies) > 1  # sampled, not one fixed reply
+
+
 def test_a_base_model_is_prompted_and_distilled_in_the_completion_format(tmp_path):
     """No chat template: turns are plain text a blank line apart; gen-data writes {prompt, completion} records
     whose completion (only) is trained on."""

@@ -10,7 +10,7 @@ from spechead.cli.args import add_target, add_threads, set_threads
 from spechead.errors import SpecheadError
 from spechead.model.loading import load_target
 from spechead.training.config import TrainConfig
-from spechead.training.data import generate_data
+from spechead.training.data import GEN_ENGINES, generate_data
 from spechead.training.extract import extract_to
 from spechead.training.loop import train
 
@@ -28,6 +28,7 @@ def cmd_gen_data(args) -> int:
         args.threads,
         args.stop_after,
         args.dtype,
+        args.engine,
     )
     print(f"wrote {n} records to {args.out}")
     return 0
@@ -148,6 +149,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_threads(g)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights to generate with")
     g.add_argument("--stop-after", type=int, default=None, help="stop this call after N prompts (resume later)")
+    g.add_argument(
+        "--engine",
+        choices=GEN_ENGINES,
+        default="spechead",
+        help="spechead: the batched decoder (continuous batching; greedy replies are the target's own, token for "
+        "token); transformers: static batches of generate",
+    )
     g.set_defaults(func=cmd_gen_data)
 
     e = sub.add_parser("extract", help="cache the target features drafters train on")

@@ -203,6 +203,9 @@ def count_lines(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
+GEN_ENGINES = ("spechead", "transformers")
+
+
 def generate_data(
     target: str,
     specs: list[str],
@@ -215,32 +218,100 @@ def generate_data(
     threads: int | None = None,
     stop_after: int | None = None,
     dtype: str = "float32",
+    engine: str = "spechead",
 ) -> int:
     """Regenerate the first assistant turn of every prompt with the target, appending to ``out``.
 
     A base model (no chat template) continues the prompt in the completion format
     (``model.tokenizer.completion_text``) and its records are ``{"prompt", "completion"}``.
 
-    Batched (left-padded) generation with transformers; prompts of similar length share a batch
-    (fewer pad slots). Resumable: the prompt order is fixed by ``seed`` and the settings, and the
-    lines already in ``out`` are skipped (``stop_after`` ends this call early, e.g. to fit a time
-    slot). ``dtype="bfloat16"`` generates about twice as fast where the CPU has bf16 matrix units;
-    the text is then the bf16 target's (the drafter's labels still come from the fp32 target at
-    ``extract`` time). ``<out>.manifest.json`` records what was generated with which target and
-    settings. Returns the number of records written.
+    ``engine="spechead"``: spechead's batched decoder (``decoding.batch``, continuous batching:
+    ``batch_size`` requests in flight, a finished one's lane taken by the next prompt at once), so a
+    greedy reply is exactly what the target says at inference, token for token, in the precision it
+    runs in; sampled replies draw from per-prompt seeded streams. ``engine="transformers"``:
+    transformers' static batches (left-padded; prompts of similar length share a batch). Resumable:
+    the prompt order is fixed by ``seed`` and the settings, and the lines already in ``out`` are
+    skipped (``stop_after`` ends this call early, e.g. to fit a time slot). ``dtype="bfloat16"``
+    generates faster where the CPU has bf16 matrix units; the text is then the bf16 target's (the
+    drafter's labels still come from the fp32 target at ``extract`` time). ``<out>.manifest.json``
+    records what was generated with which target, engine and settings. Returns the number of
+    records written.
     """
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     from spechead.model.loading import read_config, resolve_target
     from spechead.model.tokenizer import load_tokenizer, stop_token_ids
 
+    if engine not in GEN_ENGINES:
+        raise SpecheadError(f"--engine must be one of {', '.join(GEN_ENGINES)}, not {engine!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
+        raise SpecheadError("--batch-size, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if threads:
         torch.set_num_threads(threads)
     folder = resolve_target(target)
     tok = load_tokenizer(folder)
     chat = has_chat_template(tok)
+    prompts = _select_prompts(tok, specs, max_prompt_tokens, seed, batch_size)
+    manifest_path = out.with_name(out.name + ".manifest.json")
+    settings = {
+        "target": target,
+        "target_folder": str(folder),
+        "data": list(specs),
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "batch_size": batch_size,
+        "dtype": dtype,
+        "engine": engine,
+        "prompts": len(prompts),
+    }
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest is not None and manifest.get("settings", {}).get("engine") is None:
+        manifest["settings"]["engine"] = "transformers"  # written before there was a choice
+    if manifest is not None and manifest.get("settings") != settings:
+        raise SpecheadError(f"{out} was generated with other settings ({manifest_path}); use a new --out")
+    manifest = manifest or {"settings": settings, "records": 0, "new_tokens": 0, "generate_s": 0.0}
+    done = count_lines(out)
+    todo = prompts[done:][:stop_after]
+    if not todo:
+        return 0
+    stops = stop_token_ids(tok, read_config(folder))
+    run = _engine_replies if engine == "spechead" else _transformers_replies
+    ids = [p[2] for p in todo]
+    replies = run(target, folder, dtype, ids, batch_size, max_new_tokens, temperature, seed, done, stops)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    bar = tqdm(total=len(prompts), initial=done, desc=f"gen-data ({engine})", unit="prompt", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with out.open("a", encoding="utf-8") as f:
+        for (source, turns, _), (reply_ids, stop) in zip(todo, replies, strict=True):
+            reply = tok.decode(reply_ids, skip_special_tokens=True)
+            if chat:
+                rec = {"source": f"gen:{source}", "messages": turns + [{"role": "assistant", "content": reply}]}
+            else:  # the stop token it ended on (None: the budget ended it): the drafter must learn it too
+                rec = {"source": f"gen:{source}", "prompt": completion_text(turns), "completion": reply, "stop": stop}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            written += 1
+            manifest["new_tokens"] += len(reply_ids)
+            bar.update(1)
+            if written % batch_size == 0 or written == len(todo):
+                f.flush()
+                manifest["records"] = done + written
+                now = time.perf_counter()
+                manifest["generate_s"] = round(manifest["generate_s"] + now - t0, 1)
+                t0 = now
+                manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    bar.close()
+    return written
+
+
+def _select_prompts(tok, specs: list[str], max_prompt_tokens: int, seed: int, batch_size: int):
+    """(source, turns, ids) of every usable prompt, in an order fixed by ``seed``: distinct prompts of at most
+    ``max_prompt_tokens``, shuffled, sorted by length within windows of 8 batches (fewer pad slots)."""
     rng = random.Random(seed)
     prompts: list[tuple[str, list[dict[str, str]], list[int]]] = []
     seen: set[tuple[int, ...]] = set()
@@ -264,82 +335,69 @@ def generate_data(
     if not prompts:
         raise SpecheadError("no prompts found (chat records with a user turn) in the given files")
     rng.shuffle(prompts)
-    window = batch_size * 8  # sort within windows: batches of similar length, order still seeded
+    window = batch_size * 8
     windows = [sorted(prompts[w : w + window], key=lambda p: len(p[2])) for w in range(0, len(prompts), window)]
-    prompts = [p for w in windows for p in w]
-    manifest_path = out.with_name(out.name + ".manifest.json")
-    settings = {
-        "target": target,
-        "target_folder": str(folder),
-        "data": list(specs),
-        "max_new_tokens": max_new_tokens,
-        "max_prompt_tokens": max_prompt_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "batch_size": batch_size,
-        "dtype": dtype,
-        "prompts": len(prompts),
-    }
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    if manifest is not None and manifest.get("settings") != settings:
-        raise SpecheadError(f"{out} was generated with other settings ({manifest_path}); use a new --out")
-    manifest = manifest or {"settings": settings, "records": 0, "new_tokens": 0, "generate_s": 0.0}
-    done = count_lines(out)
-    todo = prompts[done:][:stop_after]
-    if not todo:
-        return 0
-    if dtype not in ("float32", "bfloat16"):
-        raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    return [p for w in windows for p in w]
+
+
+def _split_stop(tokens: list[int], stops: list[int]) -> tuple[list[int], int | None]:
+    """A reply's tokens before the first stop token, and that token (None: the budget ended it)."""
+    cut = next((k for k, t in enumerate(tokens) if t in stops), None)
+    return (tokens, None) if cut is None else (tokens[:cut], tokens[cut])
+
+
+def _engine_replies(target, folder, dtype, prompts, batch_size, max_new, temperature, seed, first, stops):
+    """Replies on spechead's batched decoder, yielded in the prompts' order (a prompt's draws are seeded by its
+    index, so a resumed run samples what the uninterrupted one would have)."""
+    import torch
+
+    from spechead.decoding.sampling import SamplingConfig
+    from spechead.decoding.session import Session
+
+    session = Session.open(target, max_len=max(len(p) for p in prompts) + max_new + 1, dtype=getattr(torch, dtype))
+    decoder = session.batch_decoder(max_batch=batch_size)
+    index_of: dict[int, int] = {}
+    results: dict[int, list[int]] = {}
+    submitted, emitted = 0, 0
+    while emitted < len(prompts):
+        while submitted < len(prompts) and len(decoder.waiting) + decoder.occupancy < batch_size:
+            cfg = SamplingConfig(temperature, seed=seed * 1_000_003 + first + submitted) if temperature > 0 else None
+            index_of[decoder.submit(prompts[submitted], max_new, cfg)] = submitted
+            submitted += 1
+        for event in decoder.step():
+            if event.result is not None:
+                results[index_of.pop(event.rid)] = event.result.tokens
+        while emitted in results:
+            yield _split_stop(results.pop(emitted), stops)
+            emitted += 1
+
+
+def _transformers_replies(target, folder, dtype, prompts, batch_size, max_new, temperature, seed, first, stops):
+    """Replies from transformers' ``generate`` on left-padded static batches, in the prompts' order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spechead.model.tokenizer import load_tokenizer
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    stops = stop_token_ids(tok, read_config(folder))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    out.parent.mkdir(parents=True, exist_ok=True)
+    pad_id = load_tokenizer(folder).pad_token_id
+    pad = pad_id if pad_id is not None else stops[0]
     gen = torch.Generator().manual_seed(seed)
-    written = 0
-    bar = tqdm(total=len(prompts), initial=done, desc="gen-data", unit="prompt", dynamic_ncols=True)
-    with out.open("a", encoding="utf-8") as f, torch.inference_mode():
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b : b + batch_size]
-            width = max(len(p[2]) for p in batch)
+    with torch.inference_mode():
+        for b in range(0, len(prompts), batch_size):
+            batch = prompts[b : b + batch_size]
+            width = max(len(p) for p in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             att = torch.zeros(len(batch), width, dtype=torch.long)
-            for j, (_, _, p) in enumerate(batch):
+            for j, p in enumerate(batch):
                 ids[j, width - len(p) :] = torch.tensor(p)
                 att[j, width - len(p) :] = 1
-            t0 = time.perf_counter()
             kw: dict[str, Any] = {"do_sample": temperature > 0}
             if temperature > 0:
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
                 kw.update(temperature=temperature, top_p=1.0, top_k=0)
             res = model.generate(
-                input_ids=ids,
-                attention_mask=att,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=stops,
-                pad_token_id=pad,
-                **kw,
+                input_ids=ids, attention_mask=att, max_new_tokens=max_new, eos_token_id=stops, pad_token_id=pad, **kw
             )
-            new_tokens = 0
-            for j, (source, turns, _) in enumerate(batch):
-                gen_ids = res[j, width:].tolist()
-                cut = next((k for k, t in enumerate(gen_ids) if t in stops), None)
-                gen_ids = gen_ids[:cut] if cut is not None else gen_ids
-                new_tokens += len(gen_ids)
-                reply = tok.decode(gen_ids, skip_special_tokens=True)
-                if chat:
-                    rec = {"source": f"gen:{source}", "messages": turns + [{"role": "assistant", "content": reply}]}
-                else:  # the stop token it ended on (None: the budget ended it): the drafter must learn it too
-                    stop = res[j, width + cut].item() if cut is not None else None
-                    text = completion_text(turns)
-                    rec = {"source": f"gen:{source}", "prompt": text, "completion": reply, "stop": stop}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-            written += len(batch)
-            manifest["records"] = done + written
-            manifest["new_tokens"] += new_tokens
-            manifest["generate_s"] = round(manifest["generate_s"] + time.perf_counter() - t0, 1)
-            manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-            bar.update(len(batch))
-            bar.set_postfix(new_tokens=new_tokens)
-    bar.close()
-    return written
+            for j in range(len(batch)):
+                yield _split_stop(res[j, width:].tolist(), stops)
