@@ -6,7 +6,8 @@ three after one warm-up, random token ids, 2 threads.
 
 Fourteenth session, AMD EPYC Zen 3 (AVX2, avx2 build), idle: 64 / 128 / 256 / 512 / 1024 tokens in 146 / 242 /
 457 / 932 / 2041 ms = 93 / 112 / 119 / 116 / 106 GFLOP/s, against an FMA peak of about 155 GFLOP/s for both cores
-(results/bench/zen3/fma_peak.c: 77-79 a core with both busy).
+(results/bench/zen3/fma_peak.c: 77-79 a core with both busy). A rerun of this script the same session: 87 / 104 /
+111 / 115 / 100 GFLOP/s.
 """
 
 import statistics
@@ -21,9 +22,7 @@ from spechead.tuning.measure import cpu_name
 FLOP_PER_TOKEN = 212e6  # 2 x the projections' 106 M weights (SmolLM2-135M without its embedding table)
 
 torch.set_num_threads(2)
-session = Session.open("demo", max_len=2048)
-target = session.target
-target.setup_cache(2048, 1)
+target = Session.open("demo", max_len=2048).target  # its cache: one lane of 2,048 slots
 gen = torch.Generator().manual_seed(0)
 print(f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}), 2 threads")
 for n in [64, 128, 256, 512, 1024]:
