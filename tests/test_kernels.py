@@ -320,3 +320,45 @@ def test_silu_mul_is_silu_gate_times_up(isa):
     want = F.silu(gu[:, :77].double()) * gu[:, 77:].double()
     torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=1e-6)
     assert all(torch.equal(lib.silu_mul(gu[i : i + 1])[0], got[i]) for i in range(7))
+
+
+@ISAS
+def test_a_layer_over_several_requests_is_each_request_alone(isa):
+    """llama_layer runs every request's attention in one parallel loop (a batch of decode steps and a tree):
+    each request's rows and cache lane come out bitwise as when the layer runs that request alone."""
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(5)
+    d, heads, kv, hd, inter = 128, 4, 2, 32, 96
+    widths = [(heads + 2 * kv) * hd, d, 2 * inter, d]
+    fan_in = [d, heads * hd, d, inter]
+    ws = [BlockedWeight(torch.randn(n, k, generator=g) / k**0.5).data for n, k in zip(widths, fan_in, strict=True)]
+    ln1, ln2 = 1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)
+    caches = [torch.randn(4, kv, 256, hd, generator=g) for _ in range(2)]
+    # (lane, start, rows, mask): a one-row step, a 4-node tree, a two-row causal chunk
+    tree = torch.ones(4, 150 + 4, dtype=torch.bool)
+    tree[:, 150:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    parts = [(0, 90, 1, None), (2, 150, 4, tree), (3, 70, 2, None)]
+    T = sum(p[2] for p in parts)
+    x = torch.randn(T, d, generator=g)
+    pos = torch.cat([torch.arange(s, s + t) for _, s, t, _ in parts])
+    from spechead.model.layers import Rotary
+
+    cos, sin = Rotary(hd, 512, 10000.0)(pos)
+    row0 = [0, 1, 5]
+
+    def layer(idx: list[int], kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        rows = torch.cat([torch.arange(row0[i], row0[i] + parts[i][2]) for i in idx])
+        r0 = [sum(parts[j][2] for j in idx[:n]) for n in range(len(idx))]
+        return lib.llama_layer(
+            x[rows], ln1, ln2, 1e-5, *ws, widths, cos[rows].contiguous(), sin[rows].contiguous(), kc, vc, r0,
+            [parts[i][2] for i in idx], [parts[i][0] for i in idx], [parts[i][1] for i in idx],
+            [parts[i][3] for i in idx], [0] * len(idx), hd**-0.5,
+        )  # fmt: skip
+
+    kc, vc = caches[0].clone(), caches[1].clone()
+    together = layer([0, 1, 2], kc, vc)
+    for i, (lane, _, t, _) in enumerate(parts):
+        kc1, vc1 = caches[0].clone(), caches[1].clone()
+        alone = layer([i], kc1, vc1)
+        assert torch.equal(together[row0[i] : row0[i] + t], alone)
+        assert torch.equal(kc[lane], kc1[lane]) and torch.equal(vc[lane], vc1[lane])
