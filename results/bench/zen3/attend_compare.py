@@ -108,6 +108,23 @@ calls = {n: run_layer(lib) for n, lib in libs.items()}
 print(f"llama_layer, {B} one-row requests: bitwise equal {torch.equal(outs['base'], outs['new'])}; "
       f"us a layer cold {timed(calls, True)}")  # fmt: skip
 
+# the same layer op over one request: a decode step (1 row, 600 slots) and an 8-row chain
+one_lane = [(torch.randn(1, KV, 1024, D, generator=g), torch.randn(1, KV, 1024, D, generator=g)) for _ in range(layers)]
+for T in (1, 8):
+    x1 = torch.randn(T, d, generator=g)
+    c1, s1 = (c.contiguous() for c in rotary(torch.arange(ctx, ctx + T)))
+    chain = torch.ones(T, ctx + T, dtype=torch.bool).tril(ctx) if T > 1 else None
+    rows1 = ([0], [T], [0], [ctx], [chain], [0])
+    args1 = (ln, ln, 1e-5, *ws, widths, c1, s1)
+    outs = {n: lib.llama_layer(x1, *args1, *one_lane[0], *rows1, 0.125) for n, lib in libs.items()}
+
+    def run_one(lib, x1=x1, args1=args1, rows1=rows1):
+        return lambda: [lib.llama_layer(x1, *args1, kc, vc, *rows1, 0.125) for kc, vc in one_lane]
+
+    calls = {n: run_one(lib) for n, lib in libs.items()}
+    print(f"llama_layer, one request of {T} rows: bitwise equal {torch.equal(outs['base'], outs['new'])}; "
+          f"us a layer cold {timed(calls, True)}")  # fmt: skip
+
 # SiLU(gate) x up over 1 and 16 rows of the demo target's MLP (30 calls a pass, hot)
 for R in (1, 16):
     gu = torch.randn(R, 2 * inter, generator=g) * 3
