@@ -6,16 +6,13 @@ step or a verification reads them), interleaved, median of repeats, 2 threads.
 """
 
 import argparse
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 
 import torch
-from torch.utils.cpp_extension import load
+from two_builds import build_pair  # beside this script
 
-from spechead.kernels import _COMMON_FLAGS, _ISA_FLAGS, SOURCE
+from spechead.kernels import _ISA_FLAGS
 from spechead.kernels.linear import BlockedWeight
 from spechead.tuning.measure import cpu_name
 
@@ -27,27 +24,7 @@ p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--threads", type=int, default=2)
 args = p.parse_args()
 torch.set_num_threads(args.threads)
-work = tempfile.mkdtemp(prefix="spechead-kcmp-")
-base_src = os.path.join(work, "base.cpp")
-with open(base_src, "w") as f:
-    f.write(subprocess.check_output(["git", "show", f"{args.base}:spechead/kernels/csrc/draft_gemm.cpp"], text=True))
-
-
-def build(tag: str, src: str):
-    os.makedirs(os.path.join(work, tag))
-    flags = [*_COMMON_FLAGS, *_ISA_FLAGS[args.isa], f"-DSPECHEAD_NS=kcmp_{tag}"]
-    load(
-        name=f"kcmp_{tag}",
-        sources=[src],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=os.path.join(work, tag),
-        is_python_module=False,
-    )
-    return getattr(torch.ops, f"kcmp_{tag}").draft_linear
-
-
-ops = {"base": build("base", base_src), "new": build("new", str(SOURCE))}
+ops = {tag: lib.draft_linear for tag, lib in build_pair(args.base, args.isa, "kcmp").items()}
 print(
     f"{cpu_name()}, torch capability {torch.backends.cpu.get_cpu_capability()}, build {args.isa}, "
     f"{args.threads} threads; base {args.base} vs the working tree"
