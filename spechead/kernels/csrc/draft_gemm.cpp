@@ -948,65 +948,64 @@ void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
   const int64_t nq = std::min(per_task, per_g - q0);
   const float* kh = kc + g * L * D;
   const float* vh = vc + g * L * D;
-  int64_t tq[8], cq[8], at[8];  // each query's row, visible-slot count, cursor in its list
+  int64_t tq[8], cq[8], at[8];  // each query's row, visible-slot count, cursor in its list (walk moves it)
   const int32_t* lq[8];
   float* sq[8];
   const float* qq[8];
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (q0 + i) / group, n = g * group + (q0 + i) % group;
-    tq[i] = t, cq[i] = count[t], lq[i] = seen.get() + t * S, at[i] = 0;
+    tq[i] = t, cq[i] = count[t], lq[i] = seen.get() + t * S;
     sq[i] = scores.get() + (t * N + n) * padded;
     qq[i] = pq + (t * N + n) * D;
   }
-  // Within a block: the queries that see all of it (gathered in `full`), then each other query's list.
-  int64_t full[8], nfull, ends[8];
-  const auto split_block = [&](int64_t b0, int64_t b1) {
-    nfull = 0;
-    for (int64_t i = 0; i < nq; ++i) {
-      ends[i] = slots_before(lq[i], at[i], cq[i], b1);
-      if (together && ends[i] - at[i] == b1 - b0) full[nfull++] = i;
+  // The slots block by block; in each, the queries that see all of it in groups of up to four,
+  // group(queries, count, b0, b1, first), then each other query over its part of its list, one(i, j0, j1).
+  // Every query's cursor in its list starts at 0 and ends past its last visible slot.
+  const auto walk = [&](auto&& group, auto&& one) {
+    for (int64_t i = 0; i < nq; ++i) at[i] = 0;
+    for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
+      const int64_t b1 = std::min(b0 + kAttnBlock, end);
+      int64_t full[8], nfull = 0, ends[8];
+      for (int64_t i = 0; i < nq; ++i) {
+        ends[i] = slots_before(lq[i], at[i], cq[i], b1);
+        if (together && ends[i] - at[i] == b1 - b0) full[nfull++] = i;
+      }
+      for (int64_t f = 0; f < nfull; f += 4) group(full + f, std::min<int64_t>(4, nfull - f), b0, b1, f == 0);
+      for (int64_t i = 0; i < nq; ++i) {
+        if (!(together && ends[i] - at[i] == b1 - b0)) one(i, at[i], ends[i]);
+        at[i] = ends[i];
+      }
     }
   };
-  // scores, block by block; eight slots at once where they fill a group (independent FMA chains), each
-  // slot's sum formed as dot() forms it
-  for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
-    const int64_t b1 = std::min(b0 + kAttnBlock, end);
-    split_block(b0, b1);
-    for (int64_t f = 0; f < nfull; f += 4) {
-      const int64_t m = std::min<int64_t>(4, nfull - f);
-      const float* qp[4];
-      float* sp[4];
-      int64_t jp[4];
-      for (int64_t u = 0; u < m; ++u) qp[u] = qq[full[f + u]], sp[u] = sq[full[f + u]], jp[u] = at[full[f + u]];
-      kScoreBlock[m - 1](qp, sp, jp, kh, D, b0, b1, sc, f == 0, end);
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int32_t* list = lq[i];
-      int64_t j = at[i];
-      const int64_t j1 = ends[i];
-      if (together && j1 - j == b1 - b0) {
-        at[i] = j1;
-        continue;
-      }
-      if (D % W == 0)
-        for (; j + 8 <= j1; j += 8) {
-          const float* kr[8];
-          Vec a[8];
-          for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D, a[u] = vzero();
-          if (i == 0 && j + kAttnAhead + 8 <= cq[i])  // a step streams the lane from memory: rows well ahead
-            for (int u = 0; u < 8; ++u) prefetch_floats(kh + list[j + kAttnAhead + u] * D, D);
-          for (int64_t d = 0; d < D; d += W) {
-            const Vec qd = vload(qq[i] + d);
-            for (int u = 0; u < 8; ++u) a[u] = vfma(qd, vload(kr[u] + d), a[u]);
+  // scores; eight slots at once where they fill a group (independent FMA chains), each slot's sum formed as
+  // dot() forms it
+  walk(
+      [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
+        const float* qp[4];
+        float* sp[4];
+        int64_t jp[4];
+        for (int64_t u = 0; u < m; ++u) qp[u] = qq[qs[u]], sp[u] = sq[qs[u]], jp[u] = at[qs[u]];
+        kScoreBlock[m - 1](qp, sp, jp, kh, D, b0, b1, sc, first, end);
+      },
+      [&](int64_t i, int64_t j, int64_t j1) {
+        const int32_t* list = lq[i];
+        if (D % W == 0)
+          for (; j + 8 <= j1; j += 8) {
+            const float* kr[8];
+            Vec a[8];
+            for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D, a[u] = vzero();
+            if (i == 0 && j + kAttnAhead + 8 <= cq[i])  // a step streams the lane from memory: rows well ahead
+              for (int u = 0; u < 8; ++u) prefetch_floats(kh + list[j + kAttnAhead + u] * D, D);
+            for (int64_t d = 0; d < D; d += W) {
+              const Vec qd = vload(qq[i] + d);
+              for (int u = 0; u < 8; ++u) a[u] = vfma(qd, vload(kr[u] + d), a[u]);
+            }
+            float r[8];
+            vsum_many(a, 8, r);
+            for (int u = 0; u < 8; ++u) sq[i][j + u] = r[u] * sc;
           }
-          float r[8];
-          vsum_many(a, 8, r);
-          for (int u = 0; u < 8; ++u) sq[i][j + u] = r[u] * sc;
-        }
-      for (; j < j1; ++j) sq[i][j] = dot(qq[i], kh + list[j] * D, D) * sc;
-      at[i] = j1;
-    }
-  }
+        for (; j < j1; ++j) sq[i][j] = dot(qq[i], kh + list[j] * D, D) * sc;
+      });
   // softmax weights: exp(score - max), summed in list order
   float inv[8];
   for (int64_t i = 0; i < nq; ++i) {
@@ -1028,35 +1027,26 @@ void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
       for (; j < c; ++j) sum += score[j];
     }
     inv[i] = 1.0f / sum;
-    at[i] = 0;
   }
-  // the weighted values, block by block, each output accumulated in slot order
+  // the weighted values, each output accumulated in slot order
   acc.assign(per_task * D, 0.0f);
-  for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
-    const int64_t b1 = std::min(b0 + kAttnBlock, end);
-    split_block(b0, b1);
-    for (int64_t f = 0; f < nfull; f += 4) {
-      const int64_t m = std::min<int64_t>(4, nfull - f);
-      const float* pp[4];
-      float* ap[4];
-      for (int64_t u = 0; u < m; ++u) pp[u] = sq[full[f + u]] + at[full[f + u]], ap[u] = acc.data() + full[f + u] * D;
-      kWeighBlock[m - 1](vh, D, b0, b1, pp, ap, f == 0, end);
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int32_t* list = lq[i];
-      const int64_t j0 = at[i];
-      const int64_t j1 = ends[i];
-      at[i] = j1;
-      if (together && j1 - j0 == b1 - b0) continue;
-      float* ai = acc.data() + i * D;
-      int64_t d = 0;
-      for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, sq[i], j0, j1, ai + d);
-      for (; d + 4 * W <= D; d += 4 * W) weigh_values<4>(vh + d, D, list, sq[i], j0, j1, ai + d);
-      for (; d + W <= D; d += W) weigh_values<1>(vh + d, D, list, sq[i], j0, j1, ai + d);
-      for (; d < D; ++d)  // heads narrower than a vector (small test models)
-        for (int64_t j = j0; j < j1; ++j) ai[d] += sq[i][j] * vh[list[j] * D + d];
-    }
-  }
+  walk(
+      [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
+        const float* pp[4];
+        float* ap[4];
+        for (int64_t u = 0; u < m; ++u) pp[u] = sq[qs[u]] + at[qs[u]], ap[u] = acc.data() + qs[u] * D;
+        kWeighBlock[m - 1](vh, D, b0, b1, pp, ap, first, end);
+      },
+      [&](int64_t i, int64_t j0, int64_t j1) {
+        const int32_t* list = lq[i];
+        float* ai = acc.data() + i * D;
+        int64_t d = 0;
+        for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, sq[i], j0, j1, ai + d);
+        for (; d + 4 * W <= D; d += 4 * W) weigh_values<4>(vh + d, D, list, sq[i], j0, j1, ai + d);
+        for (; d + W <= D; d += W) weigh_values<1>(vh + d, D, list, sq[i], j0, j1, ai + d);
+        for (; d < D; ++d)  // heads narrower than a vector (small test models)
+          for (int64_t j = j0; j < j1; ++j) ai[d] += sq[i][j] * vh[list[j] * D + d];
+      });
   for (int64_t i = 0; i < nq; ++i) {
     float* o = po + tq[i] * N * D + (g * group + (q0 + i) % group) * D;
     const float* ai = acc.data() + i * D;
