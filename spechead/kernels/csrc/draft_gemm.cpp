@@ -851,7 +851,6 @@ struct AttendPlan {
   int64_t T = 0, S = 0, N = 0, KV = 0, D = 0, L = 0, kv_from = 0, end = 0;
   int64_t group = 0, padded = 0, per_g = 0, per_task = 0, tasks_per_g = 0;
   float sc = 0.0f;
-  bool together = false;
   const float* kc = nullptr;
   const float* vc = nullptr;
   const float* pq = nullptr;
@@ -935,11 +934,10 @@ AttendPlan plan_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   while (per_task > 1 && KV * ((per_g + per_task - 1) / per_task) < min_tasks) per_task = (per_task + 1) / 2;
   const int64_t tasks_per_g = (per_g + per_task - 1) / per_task;
   const float sc = static_cast<float>(scale);
-  const bool together = D % W == 0;  // the shared-load path's shapes; else every query on its own
   pl.scores.reset(new float[T * N * padded]);
   pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = kv_from, pl.end = end;
   pl.group = group, pl.padded = padded, pl.per_g = per_g, pl.per_task = per_task, pl.tasks_per_g = tasks_per_g;
-  pl.sc = sc, pl.together = together, pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;
+  pl.sc = sc, pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;
   return pl;
 }
 
@@ -961,18 +959,21 @@ void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
   // The slots block by block; in each, the queries that see all of it in groups of up to four,
   // group(queries, count, b0, b1, first), then each other query over its part of its list, one(i, j0, j1).
   // Every query's cursor in its list starts at 0 and ends past its last visible slot.
+  const bool together = D % W == 0;  // the shared-load path's shapes; else every query on its own
   const auto walk = [&](auto&& group, auto&& one) {
     for (int64_t i = 0; i < nq; ++i) at[i] = 0;
     for (int64_t b0 = kv_from; b0 < end; b0 += kAttnBlock) {
       const int64_t b1 = std::min(b0 + kAttnBlock, end);
       int64_t full[8], nfull = 0, ends[8];
+      bool whole[8];
       for (int64_t i = 0; i < nq; ++i) {
         ends[i] = slots_before(lq[i], at[i], cq[i], b1);
-        if (together && ends[i] - at[i] == b1 - b0) full[nfull++] = i;
+        whole[i] = together && ends[i] - at[i] == b1 - b0;
+        if (whole[i]) full[nfull++] = i;
       }
       for (int64_t f = 0; f < nfull; f += 4) group(full + f, std::min<int64_t>(4, nfull - f), b0, b1, f == 0);
       for (int64_t i = 0; i < nq; ++i) {
-        if (!(together && ends[i] - at[i] == b1 - b0)) one(i, at[i], ends[i]);
+        if (!whole[i]) one(i, at[i], ends[i]);
         at[i] = ends[i];
       }
     }
@@ -989,20 +990,13 @@ void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
       },
       [&](int64_t i, int64_t j, int64_t j1) {
         const int32_t* list = lq[i];
-        if (D % W == 0)
+        if (together)
           for (; j + 8 <= j1; j += 8) {
             const float* kr[8];
-            Vec a[8];
-            for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D, a[u] = vzero();
+            for (int u = 0; u < 8; ++u) kr[u] = kh + list[j + u] * D;
             if (i == 0 && j + kAttnAhead + 8 <= cq[i])  // a step streams the lane from memory: rows well ahead
               for (int u = 0; u < 8; ++u) prefetch_floats(kh + list[j + kAttnAhead + u] * D, D);
-            for (int64_t d = 0; d < D; d += W) {
-              const Vec qd = vload(qq[i] + d);
-              for (int u = 0; u < 8; ++u) a[u] = vfma(qd, vload(kr[u] + d), a[u]);
-            }
-            float r[8];
-            vsum_many(a, 8, r);
-            for (int u = 0; u < 8; ++u) sq[i][j + u] = r[u] * sc;
+            score_tile<1, 8>(qq + i, kr, D, sc, sq[i] + j);
           }
         for (; j < j1; ++j) sq[i][j] = dot(qq[i], kh + list[j] * D, D) * sc;
       });
@@ -1057,15 +1051,29 @@ void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
   }
 }
 
+// Every plan's tasks in one parallel loop: a batch of one-row decode steps is many small requests, each too
+// small to keep the threads busy on its own.
+void run_plans(const std::vector<AttendPlan>& plans) {
+  std::vector<int64_t> first(plans.size() + 1, 0);  // plans[p]'s tasks are [first[p], first[p + 1]) of the loop
+  for (size_t p = 0; p < plans.size(); ++p) first[p + 1] = first[p] + plans[p].tasks();
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc;
+    size_t p = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+    for (int64_t task = t0; task < t1; ++task) {
+      while (task >= first[p + 1]) ++p;
+      plans[p].run_task(task - first[p], acc);
+    }
+  });
+}
+
+// A request alone: fewer queries a task, so that it still gives every thread two.
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
                  const std::optional<at::Tensor>& mask, int64_t kv_from, double scale, float* po) {
-  const AttendPlan plan = plan_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from, scale, po,
-                                      2 * at::get_num_threads());
-  at::parallel_for(0, plan.tasks(), 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc;
-    for (int64_t task = p0; task < p1; ++task) plan.run_task(task, acc);
-  });
+  std::vector<AttendPlan> plans;
+  plans.push_back(plan_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from, scale, po,
+                              2 * at::get_num_threads()));
+  run_plans(plans);
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -1156,10 +1164,8 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Ten
   const auto blocks = [](int64_t n) { return (n + kLanes - 1) / kLanes; };
   const at::Tensor qkv = narrow_cols(draft_linear(rms_norm(x, ln1, eps), w_qkv, blocks(widths[0])), widths[0]);
   at::Tensor att = at::empty({x.size(0), nq}, x.options());
-  // every request's attention planned, then all their tasks in one parallel loop: a batch of one-row decode
-  // steps is many small requests, each too small to keep the threads busy on its own
+  // every request's attention planned, then all their tasks in one parallel loop (run_plans)
   std::vector<AttendPlan> plans;
-  std::vector<int64_t> first(P + 1, 0);  // plans[p]'s tasks are [first[p], first[p + 1]) of the loop
   plans.reserve(P);
   const int64_t min_tasks = P == 1 ? 2 * at::get_num_threads() : 1;
   for (size_t p = 0; p < P; ++p) {
@@ -1168,16 +1174,8 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Ten
                                 part.narrow(1, nq + KV * D, KV * D), cos.narrow(0, row0[p], rows[p]).contiguous(),
                                 sin.narrow(0, row0[p], rows[p]).contiguous(), k_cache, v_cache, lanes[p], starts[p],
                                 masks.get(p), kv_from[p], scale, att.data_ptr<float>() + row0[p] * nq, min_tasks));
-    first[p + 1] = first[p] + plans.back().tasks();
   }
-  at::parallel_for(0, first[P], 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc;
-    size_t p = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
-    for (int64_t task = t0; task < t1; ++task) {
-      while (task >= first[p + 1]) ++p;
-      plans[p].run_task(task - first[p], acc);
-    }
-  });
+  run_plans(plans);
   const at::Tensor h = x + narrow_cols(draft_linear(att, w_o, blocks(d)), d);
   const at::Tensor gu = narrow_cols(draft_linear(rms_norm(h, ln2, eps), w_gu, blocks(widths[2])), widths[2]);
   return h + narrow_cols(draft_linear(silu_mul(gu), w_down, blocks(d)), d);
