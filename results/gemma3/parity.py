@@ -56,7 +56,7 @@ def main() -> None:
             theirs = ref.generate(ids[None], max_new_tokens=args.new, do_sample=False, eos_token_id=None)[0, len(ids) :]
             t2 = time.perf_counter()
         theirs = theirs.tolist()
-        first = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
+        first = next((i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y), None)
         margin = None
         if first is not None:  # the reference's top-2 margin at the first difference
             with torch.inference_mode():
