@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spechead.bench.analysis import add_speedup_model
+from spechead.bench.analysis import add_speedup_model, committed_past
 from spechead.bench.harness import bench_loop, make_report_data, write_outputs
 from spechead.bench.methods import MethodSpec, expand_methods
 from spechead.bench.projection import project
@@ -151,6 +151,14 @@ def test_speedup_model_arithmetic():
     assert v["predicted"] == pytest.approx((1 + kappa) / (1 + 0.25 * kappa))
     assert v["measured"] == pytest.approx(245.0 / 195.0) and v["rest_ratio"] == pytest.approx(194.5 / 243.0)
     assert "eagle" not in sm["methods"]
+
+
+def test_committed_past_is_the_chance_of_getting_past_each_depth():
+    # rounds committing 1, 2, 4 and 3 tokens: past 1 in 3 of 4, past 2 in 2, past 3 in 1, past 4 in none
+    assert committed_past([1, 2, 4, 3], depth=4) == [0.75, 0.5, 0.25, 0.0]
+    assert committed_past([]) == []
+    _, out = fake_run()
+    assert len(out["methods"]["eagle"]["committed_past"]) == 5
 
 
 def test_speedup_model_uses_the_matching_full_head():

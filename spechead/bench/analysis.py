@@ -25,6 +25,14 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def committed_past(accept_lengths: list[int], depth: int = 5) -> list[float]:
+    """Share of rounds that committed more than k tokens, k = 1..depth: on a chain, the chance that its
+    first k drafts were all accepted, so entry k / entry k-1 is the acceptance at depth k given the ones
+    before (a round clipped by a stop or the budget counts as shorter)."""
+    n = len(accept_lengths)
+    return [sum(a > k for a in accept_lengths) / n for k in range(1, depth + 1)] if n else []
+
+
 def summarize(runs: list[Run], ar_runs: list[Run] | None = None, greedy: bool = True) -> dict[str, Any]:
     """Spec-Bench's aggregation: tokens/s per prompt, then the mean (and median) over prompts; tau
     pooled over every round; per-round milliseconds = phase total / rounds."""
@@ -45,6 +53,7 @@ def summarize(runs: list[Run], ar_runs: list[Run] | None = None, greedy: bool = 
         "prefill_ms": _mean([r.prefill_s * 1e3 for r in runs]),
         "rounds": sum(len(r.accept_lengths) for r in runs),
         "mode_rounds": add_counts(*(r.mode_rounds for r in runs)),
+        "committed_past": committed_past(acc),
     }
     # the speculative rounds' time: the guard's AR steps (timer "ar") are not rounds
     decode_ms = sum((r.wall_s - r.prefill_s) * 1e3 - r.timers_ms.get("ar", 0.0) for r in runs if r.prefill_s)
