@@ -144,6 +144,21 @@ def param_checksum(drafter: Drafter) -> float:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
+def ready_features(features: Path) -> tuple[list[Path], dict[str, Any]]:
+    """The chunks and meta to train on: an extraction still running (or stopped early) leaves chunks 0..n-1."""
+    paths = feature_chunks(features)
+    meta = json.loads((features / "meta.json").read_text())
+    n_ready = next((i for i, p in enumerate(paths) if p.name != f"chunk_{i:05d}.pt"), len(paths))
+    meta["lengths"] = meta["lengths"][:n_ready]
+    return paths[:n_ready], meta
+
+
+def unroll_ready(drafter: Drafter) -> None:
+    """The drafter as ``run_ttt`` needs it: RoPE for packed positions, attention without the decoding cache."""
+    drafter.rotary = Rotary(drafter.config.head_dim, 8192, drafter.config.rope_theta, drafter.config.rope_scaling)
+    drafter.layer.self_attn.cache = None
+
+
 def train(
     target: Transformer,
     features: Path,
@@ -163,12 +178,7 @@ def train(
 
     dist = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-    paths = feature_chunks(features)
-    meta = json.loads((features / "meta.json").read_text())
-    # An extraction still running (or stopped early) leaves chunks 0..n-1: train on those.
-    n_ready = next((i for i, p in enumerate(paths) if p.name != f"chunk_{i:05d}.pt"), len(paths))
-    paths = paths[:n_ready]
-    meta["lengths"] = meta["lengths"][:n_ready]
+    paths, meta = ready_features(features)
     if meta.get("hidden_size") != target.config.hidden_size or meta.get("vocab_size") != target.config.vocab_size:
         raise SpecheadError(f"features in {features} were extracted from another target")
     torch.manual_seed(cfg.seed)
@@ -177,8 +187,7 @@ def train(
     if ck_state is not None:
         saved = load_drafter(out / "checkpoint", target).float()
         drafter.load_state_dict(saved.state_dict(), strict=False)
-    drafter.rotary = Rotary(drafter.config.head_dim, 8192, drafter.config.rope_theta, drafter.config.rope_scaling)
-    drafter.layer.self_attn.cache = None
+    unroll_ready(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     packs = plan_packs(meta["lengths"], cfg.pack_tokens)

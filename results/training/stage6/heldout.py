@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 
 from spechead.model.drafter import load_drafter
-from spechead.model.layers import Rotary
 from spechead.model.loading import load_target
 from spechead.training.config import TrainConfig
-from spechead.training.features import feature_chunks
-from spechead.training.loop import ChunkCache, evaluate, plan_packs, split_packs
+from spechead.training.loop import ChunkCache, evaluate, plan_packs, ready_features, split_packs, unroll_ready
 
 
 def main() -> None:
@@ -32,13 +30,10 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     target, _ = load_target("demo")
-    feats = Path(a.features)
-    paths = feature_chunks(feats)
-    meta = json.loads((feats / "meta.json").read_text())
+    paths, meta = ready_features(Path(a.features))
     _, held = split_packs(plan_packs(meta["lengths"], a.pack_tokens), len(paths), a.eval_packs)
     drafter = load_drafter(a.drafter, target).float().eval()
-    drafter.rotary = Rotary(drafter.config.head_dim, 8192, drafter.config.rope_theta, drafter.config.rope_scaling)
-    drafter.layer.self_attn.cache = None
+    unroll_ready(drafter)
     cfg = TrainConfig(arch=drafter.arch, steps_ttt=a.ttt_steps, pack_tokens=a.pack_tokens, eval_packs=a.eval_packs)
     print(json.dumps({"drafter": a.drafter, "eval": evaluate(drafter, target, ChunkCache(paths), held, cfg)}))
 
