@@ -7,13 +7,17 @@
 # drafter's own step-(i-1) output) on new target-generated replies, and measures chain acceptance at 3 and 5 (depth by depth)
 # and the 2x4x8 tree without the lookup branch on the benchmark's held-out prompts. Stage 5 (the same recipe one
 # step deep, on data of the same sources) is the control. Run from the repository root with the venv active:
-#   bash results/training/stage6/run.sh gen|extract|train|accept
-# Generated data and features stay outside the repository (W). "shipped" in accept was the stage-3 drafter, before
-# this stage replaced it: restore it with `git show 127f441:spechead/drafters/eagle2/model.safetensors`.
+#   bash results/training/stage6/run.sh gen|extract|train|accept|e2e
+# Generated data and features stay outside the repository (W). "shipped" / "old" is the stage-3 drafter this stage
+# replaced, read back from git (old_drafter).
 set -euo pipefail
 D=../shared/data/train; W=${W:-/tmp/stage6}; R=results/training/stage6
 mkdir -p $W $R
-case "${1:?gen|extract|train|accept}" in
+old_drafter() {  # the EAGLE-2 drafter shipped before this stage, into $W/old_eagle2
+  mkdir -p $W/old_eagle2
+  for f in config.json model.safetensors; do git show 127f441:spechead/drafters/eagle2/$f > $W/old_eagle2/$f; done
+}
+case "${1:?gen|extract|train|accept|e2e}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
   timeout ${GEN_MIN:-22}m spechead gen-data --engine spechead --batch-size 32 --max-new-tokens 192 --threads 2 \
     --seed 16 --out $W/greedy.jsonl --stop-after ${PROMPTS:-2400} \
@@ -36,10 +40,17 @@ train)  # two fine-tunes of the shipped drafter at once, one thread each, the sa
   wait
   for r in ttt3 ttt5; do mkdir -p $R/$r; cp $W/$r/metrics.json $W/$r/train_log.jsonl $R/$r/; done ;;
 accept)  # tokens committed per round, no lookup branch, held-out prompts, greedy, one thread each
-  for d in ${DRAFTERS:-shipped:spechead/drafters/eagle2 ttt3:$W/ttt3 ttt5:$W/ttt5}; do
+  old_drafter
+  for d in ${DRAFTERS:-shipped:$W/old_eagle2 ttt3:$W/ttt3 ttt5:$W/ttt5}; do
     SPECHEAD_TUNE=off spechead bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 \
       --threads 1 --no-guard --warmup 0 --methods ar,eagle@chain:3,eagle@chain:5,eagle@2x4x8 \
       --drafter ${d#*:} --json $R/acceptance_${d%%:*}.json > $W/bench_${d%%:*}.log 2>&1 &
     [ "$(jobs -r | wc -l)" -ge 2 ] && wait -n
   done; wait ;;
+e2e)  # the tree tuned on this host, lookup branch on, both threads: the new drafter, then the one it replaced
+  old_drafter
+  for d in new:spechead/drafters/eagle2 old:$W/old_eagle2; do
+    SPECHEAD_TUNE=off spechead bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 \
+      --threads 2 --tree 1x0x2+lookup:8 --methods ar,eagle,nanospec --drafter ${d#*:} --json $R/e2e_${d%%:*}.json
+  done ;;
 esac
