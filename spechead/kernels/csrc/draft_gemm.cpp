@@ -92,7 +92,14 @@ inline Vec vload_bf16(const uint16_t* p) {  // W consecutive bf16 values
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline uint32_t vgt_mask(Vec v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_GT_OQ); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)) + (the same from l1): GCC's _mm512_reduce_add_ps pairing,
+// written out so that every compiler forms it and vsum_many can match it
+inline float vsum(Vec v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
 // exp(x) for x <= 0: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by a degree-7 Taylor polynomial (relative
 // error < 1e-8 before rounding); scalef applies 2^n and underflows gracefully (x clamped at -150: -inf gives 0)
 inline Vec vexp_nonpositive(Vec x) {
@@ -234,6 +241,31 @@ constexpr int kVecsPerBlock = kLanes / W;
 // keeps vsum's pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), in 19 instructions instead of 48.
 inline void vsum_many(const Vec* a, int n, float* out) {
   int i = 0;
+#if defined(SPECHEAD_ISA_AVX512)
+  // sixteen sums at a time in 47 instructions instead of 128, each keeping vsum's pairing; a tail of more than
+  // one sum is padded to sixteen
+  const auto sixteen = [](const Vec* b, float* o) {
+    Vec c[8];  // [t_0..t_7 of b[p] | of b[p + 8]], t_k = l_k + l_(k+8)
+    for (int p = 0; p < 8; ++p)
+      c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[p], b[p + 8], 0x44), _mm512_shuffle_f32x4(b[p], b[p + 8], 0xEE));
+    Vec e[4];  // [u of b[p], of b[p + 8], of b[p + 4], of b[p + 12]], u_k = t_k + t_(k+4)
+    for (int p = 0; p < 4; ++p)
+      e[p] = _mm512_add_ps(_mm512_shuffle_f32x4(c[p], c[p + 4], 0x88), _mm512_shuffle_f32x4(c[p], c[p + 4], 0xDD));
+    // per 128-bit lane: [u0 + u2 of e0, of e1, u1 + u3 of e0, of e1], then the two added
+    const Vec f01 = _mm512_add_ps(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
+    const Vec f23 = _mm512_add_ps(_mm512_unpacklo_ps(e[2], e[3]), _mm512_unpackhi_ps(e[2], e[3]));
+    const Vec r = _mm512_add_ps(_mm512_shuffle_ps(f01, f23, 0x44), _mm512_shuffle_ps(f01, f23, 0xEE));
+    _mm512_storeu_ps(o, _mm512_shuffle_f32x4(r, r, 0xD8));  // lanes b0-3, b8-11, b4-7, b12-15 -> in order
+  };
+  for (; i + 16 <= n; i += 16) sixteen(a + i, out + i);
+  if (n - i > 1) {
+    Vec b[16];
+    float o[16];
+    for (int u = 0; u < 16; ++u) b[u] = i + u < n ? a[i + u] : vzero();
+    sixteen(b, o);
+    for (; i < n; ++i) out[i] = o[i % 16];
+  }
+#endif
 #if defined(SPECHEAD_ISA_AVX2)
   for (; i + 8 <= n; i += 8) {
     __m256 c[4];  // [s0..s3 of a[p] | s0..s3 of a[p + 4]], s_k = l_k + l_(k+4)
@@ -280,14 +312,19 @@ constexpr int max_tile_rows() {
   return m;
 }
 
-// Rows per chunk: more rows are split into equal chunks of at most this many. With 16 vector registers, fp32
-// chunks of 6 rows (tiles of 6 rows x 2 vectors: 12 FMAs per 6 broadcasts) beat one tile of up to 13 rows x 1
-// vector (one FMA per broadcast): 85 % against 61 % of the FMA peak with weights in L1, and 0.81-0.93x the time
-// of 8-16 row products streamed from DRAM; bf16 chunks of 4 rows (2-vector tiles) measured even with the old
-// chunks of up to 11 (AMD EPYC Zen 3, AVX2, 2 threads; results/bench/zen3/README.md).
+// Rows per chunk for an M-row product: more rows are split into equal chunks of at most this many. With 16 vector
+// registers, fp32 chunks of 6 rows (tiles of 6 rows x 2 vectors: 12 FMAs per 6 broadcasts) beat one tile of up to
+// 13 rows x 1 vector (one FMA per broadcast): 85 % against 61 % of the FMA peak with weights in L1, and 0.81-0.93x
+// the time of 8-16 row products streamed from DRAM; bf16 chunks of 4 rows (2-vector tiles) measured even with the
+// old chunks of up to 11 (AMD EPYC Zen 3, AVX2, 2 threads; results/bench/zen3/README.md). With 32 registers, one
+// chunk up to the rows a 2-vector tile holds (13 fp32, 12 bf16), then chunks of at most that: 16 rows (2 x 8)
+// took 0.87x the time of one 16-row x 1-vector tile in fp32 over the demo target's weights, 0.95x in bf16, 64 rows
+// 0.91x / 0.93x; chunks of 8 lost at 24 rows, of 6 or 4 at 16 rows in bf16 (1.19x / 1.33x) (Intel Xeon with
+// AVX-512 and AMX, 2 threads, `results/bench/zen3/kernel_compare.py --isa avx512`).
 template <typename T>
-constexpr int chunk_rows() {
-  return kRegs == 16 ? (std::is_same_v<T, float> ? 6 : 4) : max_tile_rows<T>();
+constexpr int64_t chunk_rows() {
+  if (kRegs == 16) return std::is_same_v<T, float> ? 6 : 4;
+  return std::is_same_v<T, float> ? 13 : 12;  // the most rows a 2-vector tile holds
 }
 
 // Software prefetch distance in k steps (64 bytes of a block each): 2 KB ahead. The hardware prefetcher alone
@@ -373,7 +410,8 @@ constexpr std::array<RangeFn<T>, sizeof...(I)> range_table(std::integer_sequence
 template <typename T>
 void run_chunks(const float* xt, int64_t M, const T* w, int64_t K, float* y, int64_t ldy, int64_t b0, int64_t b1) {
   static constexpr auto table = range_table<T>(std::make_integer_sequence<int, max_tile_rows<T>()>{});
-  const int64_t chunks = (M + chunk_rows<T>() - 1) / chunk_rows<T>(), rows = (M + chunks - 1) / chunks;
+  const int64_t cr = chunk_rows<T>();
+  const int64_t chunks = (M + cr - 1) / cr, rows = (M + chunks - 1) / chunks;
   const int64_t steps = std::is_same_v<T, uint16_t> ? K / 2 : K;
   if (chunks == 1) {
     table[M - 1](xt, M, w, K, y, ldy, b0 * kVecsPerBlock, b1 * kVecsPerBlock, 0, steps, kPrefetch, false);
@@ -769,10 +807,15 @@ inline void score_tile(const float* const* qp, const float* const* kp, int64_t D
   for (int u = 0; u < NQ * NS; ++u) out[u] = r[u] * sc;
 }
 
-// Keys per score tile for NQ queries: eight sums (one vsum_many batch) where the registers allow.
+// Keys per score tile for NQ queries: a vsum_many batch of sums (eight with AVX2, sixteen with AVX-512) where the
+// registers allow, a divisor of the 64-slot block.
 template <int NQ>
 constexpr int score_slots() {
+#if defined(SPECHEAD_ISA_AVX512)
+  return NQ == 1 ? 16 : NQ == 2 ? 8 : 4;
+#else
   return NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
+#endif
 }
 
 // NQ queries that all see slots [s0, s1) of a block: sq[i][j0[i] + s - s0] = their scores against those keys.
