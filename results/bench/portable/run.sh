@@ -8,14 +8,13 @@ SH=".venv/bin/spechead"; PY=".venv/bin/python"
 mkdir -p "$OUT"
 for ISA in "$@"; do
   export SPECHEAD_ISA=$ISA
-  for head in full nanospec; do $SH tune --threads 2 --head $head > /dev/null; $SH tune --threads 2 --head $head --show > "$OUT/tune_${ISA}_$head.txt"; done
-  TREE=$($PY - << PYEOF
-from spechead import tune
-from spechead.pipeline import Session, resolve_drafter
-s = Session.open("demo", 4096); d = resolve_drafter("demo", s.target)
-print(tune.cached(s, d, "nanospec", 2).tree)
-PYEOF
-)
+  # the bench's `lowrank` decodes the shipped rank-72 SlimSpec drafter (EAGLE-3), the others the EAGLE-2 drafter
+  for head in full nanospec lowrank; do
+    D=(); [ $head = lowrank ] && D=(--drafter spechead/drafters/eagle3-lowrank72 --arch eagle3)
+    $SH tune --threads 2 --head $head "${D[@]}" --quiet > /dev/null
+    $SH tune --threads 2 --head $head "${D[@]}" --show > "$OUT/tune_${ISA}_$head.txt"
+  done
+  TREE=$(grep '^chosen: tree' "$OUT/tune_${ISA}_nanospec.txt" | sed 's/^chosen: tree \([^ ,:]*\(:[0-9][0-9]*\)\?\).*/\1/')
   echo "$ISA: nanospec's tuned tree $TREE"
   $SH bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 --threads 2 \
     --methods "hf,ar,eagle,nanospec,lowrank,eagle@$TREE" --json "$OUT/bench_$ISA.json" --report "$OUT/report_$ISA" --quiet
