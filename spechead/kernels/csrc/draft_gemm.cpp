@@ -289,13 +289,21 @@ constexpr int weight_regs() {
   return std::is_same_v<T, uint16_t> ? 2 : 1;
 }
 
+#if defined(SPECHEAD_ISA_AVX512)
+// The most rows a 2-vector tile takes with AVX-512 (vecs_per_tile); chunk_rows splits larger products at it.
+template <typename T>
+constexpr int two_vector_rows() {
+  return std::is_same_v<T, uint16_t> ? 12 : 13;
+}
+#endif
+
 // Vectors per tile for M rows: as many accumulators as fit the registers with the weights in flight, at most 4.
 template <int M, typename T>
 constexpr int vecs_per_tile() {
 #if defined(SPECHEAD_ISA_AVX512)
   // measured on the AVX-512 machine (the formula below would take one more vector at 4, 7 and 13 rows)
-  if constexpr (std::is_same_v<T, uint16_t>) return M <= 3 ? 4 : M <= 6 ? 3 : M <= 12 ? 2 : 1;
-  return M <= 4 ? 4 : M <= 7 ? 3 : M <= 13 ? 2 : 1;
+  if constexpr (std::is_same_v<T, uint16_t>) return M <= 3 ? 4 : M <= 6 ? 3 : M <= two_vector_rows<T>() ? 2 : 1;
+  return M <= 4 ? 4 : M <= 7 ? 3 : M <= two_vector_rows<T>() ? 2 : 1;
 #else
   constexpr int wr = weight_regs<T>();
   for (int nv = 4; nv > 1; --nv)
@@ -323,8 +331,11 @@ constexpr int max_tile_rows() {
 // AVX-512 and AMX, 2 threads, `results/bench/zen3/kernel_compare.py --isa avx512`).
 template <typename T>
 constexpr int64_t chunk_rows() {
-  if (kRegs == 16) return std::is_same_v<T, float> ? 6 : 4;
-  return std::is_same_v<T, float> ? 13 : 12;  // the most rows a 2-vector tile holds
+#if defined(SPECHEAD_ISA_AVX512)
+  return two_vector_rows<T>();
+#else
+  return std::is_same_v<T, float> ? 6 : 4;  // 16 registers
+#endif
 }
 
 // Software prefetch distance in k steps (64 bytes of a block each): 2 KB ahead. The hardware prefetcher alone
