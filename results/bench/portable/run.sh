@@ -4,20 +4,12 @@
 # costs; then the always-wrong drafter under the guard. Usage: bash results/bench/portable/run.sh OUT_DIR ISA...
 set -euo pipefail
 OUT=${1:?out dir}; shift
-SH=".venv/bin/spechead"; PY=".venv/bin/python"
+source results/bench/tune_bench.sh  # SH, tune_and_bench
+PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
 for ISA in "$@"; do
   export SPECHEAD_ISA=$ISA
-  # the bench's `lowrank` decodes the shipped rank-72 SlimSpec drafter (EAGLE-3), the others the EAGLE-2 drafter
-  for head in full nanospec lowrank; do
-    D=(); [ $head = lowrank ] && D=(--drafter spechead/drafters/eagle3-lowrank72 --arch eagle3)
-    $SH tune --threads 2 --head $head "${D[@]}" --quiet > /dev/null
-    $SH tune --threads 2 --head $head "${D[@]}" --show > "$OUT/tune_${ISA}_$head.txt"
-  done
-  TREE=$(grep '^chosen: tree' "$OUT/tune_${ISA}_nanospec.txt" | sed 's/^chosen: tree \([^ ,:]*\(:[0-9][0-9]*\)\?\).*/\1/')
-  echo "$ISA: nanospec's tuned tree $TREE"
-  $SH bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 --threads 2 \
-    --methods "hf,ar,eagle,nanospec,lowrank,eagle@$TREE" --json "$OUT/bench_$ISA.json" --report "$OUT/report_$ISA" --quiet
+  tune_and_bench "$OUT" "$ISA"
   $PY results/bench/step-cost/measure.py --threads 2 --out "$OUT/step_$ISA.json" > /dev/null
   $SH bench-heads --shape llama3.1-8b --batch 1,10 --dtype bf16 --repeats 7 --threads 2 --json "$OUT/heads_llama3.1-8b_bf16_$ISA.json" > "$OUT/heads_$ISA.txt"
 done
