@@ -11,26 +11,18 @@
 # Generated data and features stay outside the repository (W). "shipped" / "old" is the stage-3 drafter this stage
 # replaced, read back from git (old_drafter).
 set -euo pipefail
-D=../shared/data/train; W=${W:-/tmp/stage6}; R=results/training/stage6
+W=${W:-/tmp/stage6}; R=results/training/stage6
 mkdir -p $W $R
+source results/training/stage_lib.sh  # D, gen_replies, extract_features, acceptance
 old_drafter() {  # the EAGLE-2 drafter shipped before this stage, into $W/old_eagle2
   mkdir -p $W/old_eagle2
   for f in config.json model.safetensors; do git show 127f441:spechead/drafters/eagle2/$f > $W/old_eagle2/$f; done
 }
 case "${1:?gen|extract|train|accept|e2e}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
-  timeout ${GEN_MIN:-22}m spechead gen-data --engine spechead --batch-size 32 --max-new-tokens 192 --threads 2 \
-    --seed 16 --out $W/greedy.jsonl --stop-after ${PROMPTS:-2400} \
-    --data $D/chat_sharegpt.jsonl.gz:1500 $D/chat_alpacaeval.jsonl.gz:600 $D/chat_gpteacher.jsonl.gz:800 \
-    $D/chat_arenahard.jsonl.gz:500 $D/code_instruct.jsonl.gz:800 $D/math_gsm8k_train.jsonl.gz:1000 \
-    $D/math_MATH.jsonl.gz:500 $D/summ_t0_news.jsonl.gz:500 $D/summ_scitldr.jsonl.gz:300 $D/mt_de_en.jsonl.gz:1000 \
-    $D/qa_nq_open.jsonl.gz:600 $D/qa_t0_context.jsonl.gz:600 || true
-  cp $W/greedy.jsonl.manifest.json $R/gen_data_manifest.json ;;
+  gen_replies 16 22 ;;
 extract)  # the fp32 target's final normed states, two one-thread workers
-  for i in 0 1; do
-    spechead extract --threads 1 --arch eagle2 --max-len 768 --chunk-tokens 16384 --features $W/feats --shard $i/2 \
-      --data $W/greedy.jsonl > $W/extract$i.log 2>&1 &
-  done; wait ;;
+  extract_features eagle2 ;;
 train)  # two fine-tunes of the shipped drafter at once, one thread each, the same held-out packs
   COMMON="--features $W/feats --pack-tokens 1024 --loss-on all --eval-packs 8 --threads 1 --arch eagle2 --epochs 4
     --ce-positions 128 --ce-weight 0.5 --noise 0.1 --save-every 50 --eval-every 100 --seed 6 --quiet
@@ -41,12 +33,7 @@ train)  # two fine-tunes of the shipped drafter at once, one thread each, the sa
   for r in ttt3 ttt5; do mkdir -p $R/$r; cp $W/$r/metrics.json $W/$r/train_log.jsonl $R/$r/; done ;;
 accept)  # tokens committed per round, no lookup branch, held-out prompts, greedy, one thread each
   old_drafter
-  for d in ${DRAFTERS:-shipped:$W/old_eagle2 ttt3:$W/ttt3 ttt5:$W/ttt5}; do
-    SPECHEAD_TUNE=off spechead bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 \
-      --threads 1 --no-guard --warmup 0 --methods ar,eagle@chain:3,eagle@chain:5,eagle@2x4x8 \
-      --drafter ${d#*:} --json $R/acceptance_${d%%:*}.json > $W/bench_${d%%:*}.log 2>&1 &
-    [ "$(jobs -r | wc -l)" -ge 2 ] && wait -n
-  done; wait ;;
+  acceptance ${DRAFTERS:-shipped:$W/old_eagle2 ttt3:$W/ttt3 ttt5:$W/ttt5} ;;
 e2e)  # the tree tuned on this host, lookup branch on, both threads: the new drafter, then the one it replaced
   old_drafter
   for d in new:spechead/drafters/eagle2 old:$W/old_eagle2; do

@@ -10,26 +10,18 @@
 #   bash results/training/stage7/run.sh gen|extract|train|accept
 # Generated data and features stay outside the repository (W).
 set -euo pipefail
-D=../shared/data/train; W=${W:-/tmp/stage7}; R=results/training/stage7
+W=${W:-/tmp/stage7}; R=results/training/stage7
 mkdir -p $W $R
+source results/training/stage_lib.sh  # D, gen_replies, extract_features, acceptance
 stage6_drafter() {  # the EAGLE-2 drafter stage 6 shipped, into $W/stage6
   mkdir -p $W/stage6
   for f in config.json model.safetensors; do git show 5d1140d:spechead/drafters/eagle2/$f > $W/stage6/$f; done
 }
 case "${1:?gen|extract|train|accept}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
-  timeout ${GEN_MIN:-20}m spechead gen-data --engine spechead --batch-size 32 --max-new-tokens 192 --threads 2 \
-    --seed 17 --out $W/greedy.jsonl --stop-after ${PROMPTS:-2400} \
-    --data $D/chat_sharegpt.jsonl.gz:1500 $D/chat_alpacaeval.jsonl.gz:600 $D/chat_gpteacher.jsonl.gz:800 \
-    $D/chat_arenahard.jsonl.gz:500 $D/code_instruct.jsonl.gz:800 $D/math_gsm8k_train.jsonl.gz:1000 \
-    $D/math_MATH.jsonl.gz:500 $D/summ_t0_news.jsonl.gz:500 $D/summ_scitldr.jsonl.gz:300 $D/mt_de_en.jsonl.gz:1000 \
-    $D/qa_nq_open.jsonl.gz:600 $D/qa_t0_context.jsonl.gz:600 || true
-  cp $W/greedy.jsonl.manifest.json $R/gen_data_manifest.json ;;
+  gen_replies 17 20 ;;
 extract)  # the fp32 target's final normed states, two one-thread workers
-  for i in 0 1; do
-    spechead extract --threads 1 --arch eagle2 --max-len 768 --chunk-tokens 16384 --features $W/feats --shard $i/2 \
-      --data $W/greedy.jsonl > $W/extract$i.log 2>&1 &
-  done; wait ;;
+  extract_features eagle2 ;;
 train)  # two fine-tunes of stage 6's drafter at once, one thread each, the same held-out packs
   stage6_drafter
   COMMON="--features $W/feats --pack-tokens 1024 --loss-on all --eval-packs 8 --threads 1 --arch eagle2 --epochs 4
@@ -41,10 +33,5 @@ train)  # two fine-tunes of stage 6's drafter at once, one thread each, the same
   for r in ce05 ce1; do mkdir -p $R/$r; cp $W/$r/metrics.json $W/$r/train_log.jsonl $R/$r/; done ;;
 accept)  # tokens committed per round, no lookup branch, held-out prompts, greedy, one thread each
   stage6_drafter
-  for d in ${DRAFTERS:-stage6:$W/stage6 ce05:$W/ce05 ce1:$W/ce1}; do
-    SPECHEAD_TUNE=off spechead bench --suite spec-bench,humaneval --limit 1 --limit-mt 1 --max-new-tokens 96 \
-      --threads 1 --no-guard --warmup 0 --methods ar,eagle@chain:3,eagle@chain:5,eagle@2x4x8 \
-      --drafter ${d#*:} --json $R/acceptance_${d%%:*}.json > $W/bench_${d%%:*}.log 2>&1 &
-    [ "$(jobs -r | wc -l)" -ge 2 ] && wait -n
-  done; wait ;;
+  acceptance ${DRAFTERS:-stage6:$W/stage6 ce05:$W/ce05 ce1:$W/ce1} ;;
 esac
