@@ -67,3 +67,23 @@ def test_export_nanospec_carries_its_options(tiny_target, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [VLLM_ARCH] and cfg[CONFIG_KEY]["head"] == spec
     assert "lm_head_rank" not in cfg and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_cached_export_follows_the_drafters_weights(tiny_dir, tiny_target, tmp_path):
+    """results/vllm and the plugin test reuse exported folders: new weights in a drafter folder must get a new
+    export, not the folder written for the old ones."""
+    from spechead.decoding.session import Session
+    from spechead.integrations.vllm.compare import Method, export_dir
+
+    session = Session(tiny_target, tiny_dir, None, 128)  # no tokenizer: exporting needs none
+    folder = tmp_path / "drafter"
+    random_drafter(tiny_target, "eagle3", seed=1).save(folder)
+    method = Method("test", str(folder), "full")
+    first = export_dir(method, session, tmp_path / "cache")
+    assert export_dir(method, session, tmp_path / "cache") == first  # kept
+    random_drafter(tiny_target, "eagle3", seed=2).save(folder)
+    second = export_dir(method, session, tmp_path / "cache")
+    assert second != first and (second / "config.json").is_file()
+    exported, saved = load_drafter(second, tiny_target), load_drafter(folder, tiny_target)
+    for k, v in saved.checkpoint_state().items():  # the new export holds the new weights
+        torch.testing.assert_close(exported.checkpoint_state()[k], v)

@@ -9,6 +9,7 @@ guard, so both engines draft the same tokens per round and their acceptance leng
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +58,19 @@ METHODS = {
 
 
 def export_dir(method: Method, session: Session, root: Path | None = None) -> Path:
-    """The method's vLLM folder, exported once (spechead's own export) and kept under the cache."""
+    """The method's vLLM folder, exported once (spechead's own export) and kept under the cache, keyed by the
+    drafter's files: new weights in the same folder get a new export, never a stale one."""
     from spechead.decoding.session import resolve_drafter
     from spechead.integrations.vllm.export import export_vllm
 
     if method.native:
         return method.drafter_path
-    out = (root or cache_dir() / "vllm-export") / f"{method.drafter}-{method.head.replace(':', '-')}"
+    digest = hashlib.sha256()
+    for f in sorted(method.drafter_path.iterdir()):
+        if f.is_file():
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    name = f"{method.drafter_path.name}-{method.head.replace(':', '-')}-{digest.hexdigest()[:12]}"
+    out = (root or cache_dir() / "vllm-export") / name
     if not (out / "config.json").is_file():
         drafter = resolve_drafter(str(method.drafter_path), session.target)
         export_vllm(drafter, session.draft_head(drafter, method.head), method.head, out, str(method.drafter_path))
