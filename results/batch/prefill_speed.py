@@ -6,7 +6,7 @@ three after one warm-up, random token ids, 2 threads.
 
 Fourteenth session, AMD EPYC Zen 3 (AVX2, avx2 build), idle: 64 / 128 / 256 / 512 / 1024 tokens in 146 / 242 /
 457 / 932 / 2041 ms = 93 / 112 / 119 / 116 / 106 GFLOP/s, against an FMA peak of about 155 GFLOP/s for both cores
-(results/bench/zen3/fma_peak.c: 77-79 a core with both busy). A rerun of this script the same session: 87 / 104 /
+(results/bench/fma_peak.c, AVX2 build: 77-79 a core with both busy). A rerun of this script the same session: 87 / 104 /
 111 / 115 / 100 GFLOP/s.
 """
 
