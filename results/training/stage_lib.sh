@@ -2,6 +2,14 @@
 # folder, outside the repository) and R (its results folder), then sources this file.
 D=../shared/data/train
 
+# A drafter folder as committed at a revision (every file git holds for it), into DEST: the baseline a stage
+# measures against after it has replaced the shipped weights.  drafter_at REV NAME DEST
+drafter_at() {
+  local f
+  mkdir -p $3
+  for f in $(git ls-tree --name-only $1 spechead/drafters/$2/); do git show $1:$f > $3/$(basename $f); done
+}
+
 # Greedy replies of the fp32 target (32 in flight) to prompts of the benchmark's categories (none of its prompts),
 # into $W/greedy.jsonl, stopped after GEN_MIN minutes or PROMPTS prompts; the manifest goes to $R.
 #   gen_replies SEED DEFAULT_MINUTES

@@ -13,11 +13,8 @@
 set -euo pipefail
 W=${W:-/tmp/stage6}; R=results/training/stage6
 mkdir -p $W $R
-source results/training/stage_lib.sh  # D, gen_replies, extract_features, acceptance
-old_drafter() {  # the EAGLE-2 drafter shipped before this stage, into $W/old_eagle2
-  mkdir -p $W/old_eagle2
-  for f in config.json model.safetensors; do git show 127f441:spechead/drafters/eagle2/$f > $W/old_eagle2/$f; done
-}
+source results/training/stage_lib.sh  # D, drafter_at, gen_replies, extract_features, acceptance
+old_drafter() { drafter_at 127f441 eagle2 $W/old_eagle2; }  # the EAGLE-2 drafter shipped before this stage
 case "${1:?gen|extract|train|accept|e2e}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
   gen_replies 16 22 ;;

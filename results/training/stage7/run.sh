@@ -12,11 +12,8 @@
 set -euo pipefail
 W=${W:-/tmp/stage7}; R=results/training/stage7
 mkdir -p $W $R
-source results/training/stage_lib.sh  # D, gen_replies, extract_features, acceptance
-stage6_drafter() {  # the EAGLE-2 drafter stage 6 shipped, into $W/stage6
-  mkdir -p $W/stage6
-  for f in config.json model.safetensors; do git show 5d1140d:spechead/drafters/eagle2/$f > $W/stage6/$f; done
-}
+source results/training/stage_lib.sh  # D, drafter_at, gen_replies, extract_features, acceptance
+stage6_drafter() { drafter_at 5d1140d eagle2 $W/stage6; }  # the EAGLE-2 drafter stage 6 shipped
 case "${1:?gen|extract|train|accept}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
   gen_replies 17 20 ;;

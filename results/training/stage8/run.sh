@@ -15,14 +15,10 @@
 set -euo pipefail
 W=${W:-/tmp/stage8}; R=results/training/stage8
 mkdir -p $W $R
-source results/training/stage_lib.sh  # D, gen_replies, extract_features, acceptance
-shipped() {  # the drafters as committed before this stage (at 3ddcd73), into $W/shipped_*
-  for d in eagle3 eagle3-lowrank72; do
-    mkdir -p $W/shipped_$d
-    for f in $(git ls-tree --name-only 3ddcd73 spechead/drafters/$d/); do
-      git show 3ddcd73:$f > $W/shipped_$d/$(basename $f)
-    done
-  done
+source results/training/stage_lib.sh  # D, drafter_at, gen_replies, extract_features, acceptance
+shipped() {  # the drafters as committed before this stage, into $W/shipped_*
+  drafter_at 3ddcd73 eagle3 $W/shipped_eagle3
+  drafter_at 3ddcd73 eagle3-lowrank72 $W/shipped_eagle3-lowrank72
 }
 case "${1:?gen|extract|train|heldout|accept}" in
 gen)  # prompts of the benchmark's categories (none of its prompts), greedy, fp32 target, 32 in flight
