@@ -11,7 +11,7 @@ import torch
 from spechead.errors import SpecheadError
 from spechead.heads import make_head
 from spechead.heads.tokenmaps import load_token_map
-from spechead.integrations.vllm.export import CONFIG_KEY, VLLM_ARCH, export_vllm
+from spechead.integrations.vllm.export import CONFIG_KEY, VLLM_ARCH, VLLM_ARCH_EAGLE, export_vllm
 from spechead.model.drafter import load_drafter, random_drafter
 
 
@@ -50,10 +50,35 @@ def test_export_subset_writes_its_token_list(tiny_target, tmp_path):
     torch.testing.assert_close(again.reference_logits(h), head.reference_logits(h))
 
 
+def test_export_eagle2_keeps_its_layout_and_names_the_eagle_class(tiny_target, tmp_path):
+    """An EAGLE-2 drafter goes to vLLM's EAGLE-1/2 class (method "eagle"): the same weights under the published
+    names, the class name vLLM keeps (it starts with Eagle), a subset head as its token list, a low-rank head as
+    factors the plugin loads."""
+    d = random_drafter(tiny_target, "eagle2", seed=1)
+    V = tiny_target.config.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:10]
+    torch.save(ids.tolist(), tmp_path / "list.pt")
+    spec = f"fr:{tmp_path / 'list.pt'}"
+    out = export_vllm(d, _head(d, tiny_target, spec), spec, tmp_path / "fr")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [VLLM_ARCH_EAGLE] and VLLM_ARCH_EAGLE.startswith("Eagle")
+    back = load_drafter(out, tiny_target)
+    assert back.arch == "eagle2"
+    for k, v in d.checkpoint_state().items():
+        torch.testing.assert_close(back.checkpoint_state()[k], v.float())
+    name, _, file = cfg[CONFIG_KEY]["head"].partition(":")
+    assert name == "fr" and torch.equal(load_token_map(out / file, V), ids)
+    lr = export_vllm(d, _head(d, tiny_target, "lowrank:4"), "lowrank:4", tmp_path / "lr")
+    cfg = json.loads((lr / "config.json").read_text())
+    assert cfg["lm_head_rank"] == 4 and "tie_lm_head_to_target" not in cfg
+    from safetensors import safe_open
+
+    with safe_open(lr / "model.safetensors", "pt") as f:
+        assert {"lm_head.up.weight", "lm_head.down.weight"} <= set(f.keys())
+        assert tuple(f.get_tensor("lm_head.down.weight").shape) == (4, tiny_target.config.hidden_size)
+
+
 def test_export_refuses_what_vllm_cannot_run(tiny_target, tmp_path):
-    d2 = random_drafter(tiny_target, "eagle2", seed=1)
-    with pytest.raises(SpecheadError, match="EAGLE-3"):
-        export_vllm(d2, _head(d2, tiny_target, "full"), "full", tmp_path / "e2")
     d3 = random_drafter(tiny_target, "eagle3", seed=1)
     with pytest.raises(SpecheadError, match="cannot run inside vLLM"):
         export_vllm(d3, _head(d3, tiny_target, "hybrid"), "hybrid", tmp_path / "hy")

@@ -24,6 +24,8 @@ HEADS = [
     "eagle3 + fr:8192",
     "eagle3 + vocabtrim:8192",
     "eagle3 + nanospec",  # against spechead's NanoSpec fed what vLLM can feed (no target logits): the same drafts
+    "eagle2 + fr:8192",  # EAGLE-2 through vLLM's EAGLE-1/2 class ("method": "eagle")
+    "eagle2 + nanospec",
 ]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spechead.cli.args import add_drafter, add_head, add_target
 from spechead.errors import SpecheadError
-from spechead.integrations.vllm.export import FORMATS, HEADS, export_vllm
+from spechead.integrations.vllm.export import FORMATS, HEADS, VLLM_METHOD, export_vllm
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -26,7 +26,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({args.head} head)")
     print(
         "vLLM: LLM(TARGET, speculative_config={"
-        f'"method": "eagle3", "model": "{out.resolve()}", "num_speculative_tokens": 3, '
+        f'"method": "{VLLM_METHOD[drafter.arch]}", "model": "{out.resolve()}", "num_speculative_tokens": 3, '
         '"use_local_argmax_reduction": True})  # needs spechead installed (the plugin registers the drafter)'
     )
     return 0

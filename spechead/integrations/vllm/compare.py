@@ -1,7 +1,7 @@
 """The same drafter and head in vLLM and in spechead's own engine, on the same token-id prompts.
 
 Used by the integration test (tests/test_vllm_plugin.py) and the measurement (results/vllm/bench.py). A method
-is a shipped EAGLE-3 drafter plus a spechead head spec; ``vllm_config`` turns it into vLLM's
+is a shipped EAGLE-3 or EAGLE-2 drafter plus a spechead head spec; ``vllm_config`` turns it into vLLM's
 ``speculative_config`` (the plugin's folder, written by ``spechead export --format vllm`` and cached), and
 ``spechead_run`` decodes it with spechead's ``Decoder`` in a chain of the same length, without the never-slower
 guard, so both engines draft the same tokens per round and their acceptance lengths can be compared.
@@ -23,12 +23,13 @@ from spechead.decoding.tree import TreeConfig
 @dataclass(frozen=True)
 class Method:
     """A drafter (a shipped folder's name under spechead/drafters) with a head spec; ``native``: vLLM's own
-    EAGLE-3 class on the published folder, unchanged (the full-head baseline vLLM users have today)."""
+    EAGLE class on the published folder, unchanged (the full-head baseline vLLM users have today)."""
 
     name: str
     drafter: str
     head: str = "full"
     native: bool = False
+    vllm_method: str = "eagle3"  # vLLM's speculative method for the drafter: "eagle" for EAGLE-1/2
     # the head spechead's engine runs for the comparison, when vLLM can feed the head only part of what spechead's
     # engine does (NanoSpec: no target logits, so no top-k sources); "": ``head``
     engine_head: str = ""
@@ -43,6 +44,8 @@ class Method:
         return DEMO_DRAFTERS / self.drafter
 
 
+# NanoSpec fed only what a vLLM proposer sees (no target logits): the head spechead's engine runs to compare with it
+VLLM_NANOSPEC = "nanospec:ctx_topk=0:ext_from=tokens:policy=lru"
 METHODS = {
     m.name: m
     for m in [
@@ -52,7 +55,12 @@ METHODS = {
         Method("eagle3-lowrank72 (trained)", "eagle3-lowrank72", "lowrank"),
         Method("eagle3 + fr:8192", "eagle3", "fr:8192"),
         Method("eagle3 + vocabtrim:8192", "eagle3", "vocabtrim:8192"),
-        Method("eagle3 + nanospec", "eagle3", "nanospec", engine_head="nanospec:ctx_topk=0:ext_from=tokens:policy=lru"),
+        Method("eagle3 + nanospec", "eagle3", "nanospec", engine_head=VLLM_NANOSPEC),
+        Method("eagle2-full (vLLM native)", "eagle2", native=True, vllm_method="eagle"),
+        Method("eagle2-full (plugin)", "eagle2", "full", vllm_method="eagle"),
+        Method("eagle2 + lowrank:72 (SVD)", "eagle2", "lowrank:72", vllm_method="eagle"),
+        Method("eagle2 + fr:8192", "eagle2", "fr:8192", vllm_method="eagle"),
+        Method("eagle2 + nanospec", "eagle2", "nanospec", engine_head=VLLM_NANOSPEC, vllm_method="eagle"),
     ]
 }
 
@@ -78,9 +86,14 @@ def export_dir(method: Method, session: Session, root: Path | None = None) -> Pa
 
 
 def vllm_config(method: Method, folder: Path, k: int = 3) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for a method: EAGLE-3, a chain of k, greedy drafts through the head's
-    ``get_top_tokens`` (no full-vocabulary logits)."""
-    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k, "use_local_argmax_reduction": True}
+    """vLLM's ``speculative_config`` for a method: its EAGLE method, a chain of k, greedy drafts through the
+    head's ``get_top_tokens`` (no full-vocabulary logits)."""
+    spec = {
+        "method": method.vllm_method,
+        "model": str(folder),
+        "num_speculative_tokens": k,
+        "use_local_argmax_reduction": True,
+    }
     if method.per_request:  # a request's drafter rows: its accepted tokens only (see the plugin)
         spec["disable_padded_drafter_batch"] = True
     return spec

@@ -1,10 +1,12 @@
 """The vLLM export format (``spechead export --format vllm``): a drafter and its head choice as a folder vLLM
 loads. Importing this needs no vLLM.
 
-The folder is an EAGLE-3 checkpoint in the published layout (config.json + model.safetensors) that vLLM's own
-loader reads, with two additions the spechead plugin (``spechead.integrations.vllm``) reads:
-``architectures: [VLLM_ARCH]`` (the plugin's drafter class; the name ends in ``Eagle3``, which vLLM keeps) and a
-``spechead`` block naming the head. The head is resolved here, with spechead's own code, and written as plain
+The folder is an EAGLE-3 or EAGLE-1/2 checkpoint in the published layout (config.json + model.safetensors) that
+vLLM's own loader reads, with two additions the spechead plugin (``spechead.integrations.vllm``) reads:
+``architectures`` naming the plugin's drafter class (``VLLM_ARCH`` for EAGLE-3, which ends in ``Eagle3``;
+``VLLM_ARCH_EAGLE`` for EAGLE-1/2, which starts with ``Eagle``: the names vLLM's EAGLE config keeps as they are)
+and a ``spechead`` block naming the head. vLLM runs the first with ``"method": "eagle3"``, the second with
+``"method": "eagle"`` (``VLLM_METHOD``). The head is resolved here, with spechead's own code, and written as plain
 data, so vLLM needs nothing but the folder: a low-rank head's factors (the drafter's own, re-truncated, or the
 SVD of its full head) go into the checkpoint as ``lm_head.down/up.weight`` with ``lm_head_rank``; a static subset
 (``fr`` / ``vocabtrim``) is written as the token list its head drafts from; ``nanospec[...]`` needs only the
@@ -21,13 +23,16 @@ from typing import Any
 from spechead.errors import SpecheadError
 
 VLLM_ARCH = "SpecheadLlamaForCausalLMEagle3"
+VLLM_ARCH_EAGLE = "EagleSpecheadLlamaForCausalLM"
+VLLM_METHOD = {"eagle3": "eagle3", "eagle2": "eagle"}  # spechead drafter arch -> vLLM speculative method
 CONFIG_KEY = "spechead"  # the config.json block the plugin reads: {"head": SPEC, ...}
 FORMATS = ("vllm",)
 HEADS = ("full", "lowrank", "fr", "vocabtrim", "nanospec")  # what the plugin's drafter class runs (see its docs)
 
 
 def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "") -> Path:
-    """Write ``drafter`` (a spechead EAGLE-3 drafter) with the built spechead ``head`` of spec ``spec`` to ``out``."""
+    """Write ``drafter`` (a spechead EAGLE-3 or EAGLE-2 drafter) with the built spechead ``head`` of spec ``spec``
+    to ``out``."""
     from safetensors.torch import save_file
 
     from spechead.heads.full import FullHead
@@ -35,10 +40,11 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
     from spechead.heads.nanospec import NanoSpecHead
     from spechead.heads.subset import SubsetHead
     from spechead.heads.tokenmaps import save_token_map
-    from spechead.model.drafter import Eagle3Drafter
+    from spechead.model.drafter import Eagle2Drafter, Eagle3Drafter
 
-    if not isinstance(drafter, Eagle3Drafter):
-        raise SpecheadError("vLLM export takes an EAGLE-3 drafter (--arch eagle3 or an EAGLE-3 folder)")
+    if not isinstance(drafter, Eagle3Drafter | Eagle2Drafter):
+        raise SpecheadError("vLLM export takes an EAGLE-3 or EAGLE-2 drafter")
+    eagle3 = isinstance(drafter, Eagle3Drafter)
     name = spec.partition(":")[0]
     if name not in HEADS:
         raise SpecheadError(f"head {name!r} cannot run inside vLLM's EAGLE path; exportable: {', '.join(HEADS)}")
@@ -51,7 +57,9 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
         for k in [k for k in state if k.startswith("lm_head.")]:
             del state[k]
         state["lm_head.up.weight"], state["lm_head.down.weight"] = up, down
-        cfg["lm_head_rank"], cfg["tie_lm_head_to_target"] = int(down.shape[0]), False
+        cfg["lm_head_rank"] = int(down.shape[0])
+        if eagle3:
+            cfg["tie_lm_head_to_target"] = False
         block["rank"] = int(down.shape[0])
     elif isinstance(head, SubsetHead):
         file = f"{name}_{head.size}.pt"
@@ -61,7 +69,7 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
         block["head"] = spec
     elif not isinstance(head, FullHead):
         raise SpecheadError(f"head {spec!r} has no vLLM form")
-    cfg["architectures"] = [VLLM_ARCH]
+    cfg["architectures"] = [VLLM_ARCH if eagle3 else VLLM_ARCH_EAGLE]
     cfg["torch_dtype"] = "float32"
     cfg[CONFIG_KEY] = block
     state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}

@@ -1,7 +1,9 @@
-"""An EAGLE-3 drafter for vLLM whose draft head is one of spechead's heads.
+"""EAGLE drafters for vLLM whose draft head is one of spechead's heads.
 
-vLLM's own ``Eagle3LlamaForCausalLM`` runs the backbone (its attention, its paged KV cache, its kernels); this
-subclass replaces only the head. vLLM asks the drafter for a draft token in one of two ways:
+vLLM's own drafter classes run the backbone (their attention, vLLM's paged KV cache, its kernels): for EAGLE-3
+``Eagle3LlamaForCausalLM`` (speculative method ``eagle3``), for EAGLE-1/2 ``EagleLlamaForCausalLM`` (method
+``eagle``, the target's own LM head shared in). A subclass of each replaces only the head, the same way
+(``SpecheadDraftHead``). vLLM asks the drafter for a draft token in one of two ways:
 
 - ``get_top_tokens(h)`` (with ``use_local_argmax_reduction``): the head's top-1 target id per row, straight from
   spechead's ``DraftHead.topk``: a subset head multiplies only its N rows and maps indices back through its id
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from spechead.heads import DraftHead, make_head
@@ -52,8 +55,8 @@ HEAD_CALLS: dict[str, int] = {}  # head spec -> draft calls in this process (the
 SETS_BEGUN = [0]  # NanoSpec: per-request sets begun in this process (the integration test reads it)
 
 
-class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
-    """vLLM's EAGLE-3 backbone with a spechead draft head."""
+class SpecheadDraftHead(nn.Module):
+    """A spechead draft head in place of a vLLM EAGLE drafter's own: mixed in before the vLLM drafter class."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -118,7 +121,7 @@ class SpecheadEagle3ForCausalLM(Eagle3LlamaForCausalLM):
             arg = ":".join(([arg] if arg else []) + defaults)
         spec = f"{name}:{arg}" if arg else name
         row_ids = None
-        if self.draft_id_to_target_id is not None:
+        if getattr(self, "draft_id_to_target_id", None) is not None:  # EAGLE-3's reduced vocabulary
             row_ids = self.draft_id_to_target_id + torch.arange(self.config.draft_vocab_size, device=self._device())
         if isinstance(self.lm_head, LowRankLinear):
             lr = self.lm_head.requires_grad_(False)
@@ -216,9 +219,17 @@ def _request_spans() -> list[tuple[int, int, int]] | None:
     return list(zip(keys, starts[:-1], starts[1:], strict=True))
 
 
-def head_module(model: nn.Module) -> SpecheadEagle3ForCausalLM | None:
+class SpecheadEagle3ForCausalLM(SpecheadDraftHead, Eagle3LlamaForCausalLM):
+    """vLLM's EAGLE-3 backbone with a spechead draft head."""
+
+
+class SpecheadEagleForCausalLM(SpecheadDraftHead, EagleLlamaForCausalLM):
+    """vLLM's EAGLE-1/2 backbone with a spechead draft head (over the target's LM head, or low-rank factors)."""
+
+
+def head_module(model: nn.Module) -> SpecheadDraftHead | None:
     """The spechead drafter inside a (possibly wrapped) vLLM draft model, or None."""
     for m in model.modules():
-        if isinstance(m, SpecheadEagle3ForCausalLM):
+        if isinstance(m, SpecheadDraftHead):
             return m
     return None
