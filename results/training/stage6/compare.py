@@ -25,13 +25,17 @@ def main(paths: list[str]) -> None:
         past = r["methods"].get("eagle@chain:5", {}).get("committed_past")
         if past:
             cond = [past[0]] + [b / a if a else float("nan") for a, b in zip(past, past[1:], strict=False)]
-            print(f"{n}: past depth 1..5 {[round(x, 3) for x in past]}; acceptance at depth k given k-1: "
-                  f"{[round(x, 3) for x in cond]}")
+            print(
+                f"{n}: past depth 1..5 {[round(x, 3) for x in past]}; acceptance at depth k given k-1: "
+                f"{[round(x, 3) for x in cond]}"
+            )
     cats = list(next(iter(runs.values()))["methods"]["eagle@chain:3"]["per_category"])
     print("\nchain:3 per category\n| category | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for c in cats:
-        cells = [f"{r['methods']['eagle@chain:3']['per_category'].get(c, {}).get('tau', float('nan')):.2f}"
-                 for r in runs.values()]
+        cells = [
+            f"{r['methods']['eagle@chain:3']['per_category'].get(c, {}).get('tau', float('nan')):.2f}"
+            for r in runs.values()
+        ]
         print(f"| {c} | " + " | ".join(cells) + " |")
 
 
