@@ -60,6 +60,7 @@ METHODS = {
         Method("eagle2-full (plugin)", "eagle2", "full", vllm_method="eagle"),
         Method("eagle2 + lowrank:72 (SVD)", "eagle2", "lowrank:72", vllm_method="eagle"),
         Method("eagle2 + fr:8192", "eagle2", "fr:8192", vllm_method="eagle"),
+        Method("eagle2 + vocabtrim:8192", "eagle2", "vocabtrim:8192", vllm_method="eagle"),
         Method("eagle2 + nanospec", "eagle2", "nanospec", engine_head=VLLM_NANOSPEC, vllm_method="eagle"),
     ]
 }
