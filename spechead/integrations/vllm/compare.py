@@ -29,7 +29,6 @@ class Method:
     drafter: str
     head: str = "full"
     native: bool = False
-    vllm_method: str = "eagle3"  # vLLM's speculative method for the drafter: "eagle" for EAGLE-1/2
     # the head spechead's engine runs for the comparison, when vLLM can feed the head only part of what spechead's
     # engine does (NanoSpec: no target logits, so no top-k sources); "": ``head``
     engine_head: str = ""
@@ -42,6 +41,18 @@ class Method:
     @property
     def drafter_path(self) -> Path:
         return DEMO_DRAFTERS / self.drafter
+
+    @property
+    def vllm_method(self) -> str:
+        """vLLM's speculative method for the drafter's architecture (``eagle3``, or ``eagle`` for EAGLE-1/2), read
+        from its checkpoint's tensor names."""
+        from safetensors import safe_open
+
+        from spechead.integrations.vllm.export import VLLM_METHOD
+        from spechead.model.drafter import detect_arch
+
+        with safe_open(self.drafter_path / "model.safetensors", "pt") as f:
+            return VLLM_METHOD[detect_arch(dict.fromkeys(f.keys()))]
 
 
 # NanoSpec fed only what a vLLM proposer sees (no target logits): the head spechead's engine runs to compare with it
@@ -56,12 +67,12 @@ METHODS = {
         Method("eagle3 + fr:8192", "eagle3", "fr:8192"),
         Method("eagle3 + vocabtrim:8192", "eagle3", "vocabtrim:8192"),
         Method("eagle3 + nanospec", "eagle3", "nanospec", engine_head=VLLM_NANOSPEC),
-        Method("eagle2-full (vLLM native)", "eagle2", native=True, vllm_method="eagle"),
-        Method("eagle2-full (plugin)", "eagle2", "full", vllm_method="eagle"),
-        Method("eagle2 + lowrank:72 (SVD)", "eagle2", "lowrank:72", vllm_method="eagle"),
-        Method("eagle2 + fr:8192", "eagle2", "fr:8192", vllm_method="eagle"),
-        Method("eagle2 + vocabtrim:8192", "eagle2", "vocabtrim:8192", vllm_method="eagle"),
-        Method("eagle2 + nanospec", "eagle2", "nanospec", engine_head=VLLM_NANOSPEC, vllm_method="eagle"),
+        Method("eagle2-full (vLLM native)", "eagle2", native=True),
+        Method("eagle2-full (plugin)", "eagle2", "full"),
+        Method("eagle2 + lowrank:72 (SVD)", "eagle2", "lowrank:72"),
+        Method("eagle2 + fr:8192", "eagle2", "fr:8192"),
+        Method("eagle2 + vocabtrim:8192", "eagle2", "vocabtrim:8192"),
+        Method("eagle2 + nanospec", "eagle2", "nanospec", engine_head=VLLM_NANOSPEC),
     ]
 }
 

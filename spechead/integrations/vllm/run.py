@@ -111,13 +111,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 outputs += [list(o.outputs[0].token_ids) for o in outs]
             walls.append(time.perf_counter() - t)
             passes.append(outputs)
-        new = sum(len(o) for o in passes[0])
+        new, wall = sum(len(o) for o in passes[0]), statistics.median(walls)
         result["runs"][str(batch)] = {
             "outputs": passes[0],
             "same_every_pass": all(p == passes[0] for p in passes),
             "new_tokens": new,
-            "wall_s": statistics.median(walls),
-            "tok_s": new / statistics.median(walls),
+            "wall_s": wall,
+            "tok_s": new / wall,
             "tok_s_passes": [new / w for w in walls],
             "spec": _delta(_spec_counters(llm), before),
         }
