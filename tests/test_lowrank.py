@@ -194,3 +194,23 @@ def test_packed_linear_matches_linear_and_heads_use_it(dtype, tmp_path):
     want_logp, pos = (h @ W.float()[keep].T).log_softmax(-1).topk(5, dim=-1)
     assert torch.equal(ids, keep[pos])
     torch.testing.assert_close(logp, want_logp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no kernel build on this machine: nothing laid out to share")
+def test_tied_full_head_shares_the_targets_layout_and_a_changed_weight_gets_a_new_one():
+    g = torch.Generator().manual_seed(9)
+    W = torch.nn.Parameter(torch.randn(4096, 64, generator=g) * 0.02, requires_grad=False)
+    target_head = PackedLinear.from_linear(torch.nn.Linear(64, 4096, bias=False))
+    target_head.weight = W  # a target's tied LM head, laid out as prepack does
+    target_head.pack(8)
+    head = make_head("full", W, None, 4096)
+    assert head.lin.blocked is target_head.blocked and head.extra_bytes() == 0  # one copy of W
+    h = torch.randn(3, 64, generator=g)
+    private = PackedLinear(W.detach().clone())  # another tensor: its own layout, the same arithmetic
+    assert private.blocked is not target_head.blocked and not private.shares_layout
+    assert torch.equal(head.lin(h), private(h))
+    with torch.no_grad():
+        W.mul_(2.0)  # changed in place (a head being trained): the old layout must not serve it
+    again = PackedLinear(W)
+    assert again.blocked is not target_head.blocked and not again.shares_layout
+    torch.testing.assert_close(again(h), torch.nn.functional.linear(h, W), rtol=1e-4, atol=1e-5)

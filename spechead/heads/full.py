@@ -15,8 +15,8 @@ class FullHead(DraftHead):
     """The baseline: one GEMM over every row of the drafter's head.
 
     It uses the same few-row GEMM as every other head (``kernels.PackedLinear``), so the heads' speed
-    ratios are ratios of the bytes they read, not of kernel quality. That costs a second copy of the
-    head's weight on the CPU (the drafter's own copy is shared with the target when the head is tied).
+    ratios are ratios of the bytes they read, not of kernel quality. A head tied to the target's (EAGLE-2's)
+    shares the target's laid-out LM head (``BlockedWeight.of``); an untied one costs a second copy of its weight.
     """
 
     def __init__(self, weight: Tensor, row_ids: Tensor | None, vocab_size: int) -> None:
@@ -41,7 +41,7 @@ class FullHead(DraftHead):
         return self.dense_logits(h)
 
     def extra_bytes(self) -> int:
-        return self.lin.nbytes if self.lin.kind != "linear" else 0
+        return self.lin.nbytes if self.lin.kind != "linear" and not self.lin.shares_layout else 0
 
     def call_bytes(self, batch: int, settings: BenchSettings) -> int:
         V, d = self.weight.shape
