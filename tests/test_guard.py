@@ -70,6 +70,8 @@ def check_counts(res):
         {"margin": float("inf")},
         {"margin": "1"},
         {"enabled": 1},
+        {"lean": 1},
+        {"lean_rounds": 0},
     ],
     ids=str,
 )
@@ -112,7 +114,7 @@ def test_policy_backs_off_and_resets():
     run_spec(g, 5, 1.0, 3)  # a probe that wins resets the stretch
     run_spec(g, 1, 9.0, 1)  # (5 + 1) tokens in 10 s
     assert run_ar(g) == 2
-    assert g.counts == {"speculative": 18, "ar": 24}
+    assert g.counts == {"speculative": 18, "ar": 24, "lean": 0}
 
 
 def test_probes_decide_early_and_a_lost_request_carries_over():
@@ -158,7 +160,7 @@ def test_policy_measures_ar_when_it_has_no_figure():
     assert run_ar(g, 0.5) == 3 and g.ar_step_s == 0.5
     run_spec(g, 9, 1.0, 4)  # 9 tokens/s beats 2: no switch
     g.begin()  # a new request keeps the estimate
-    assert g.ar_step_s == 0.5 and g.counts == {"speculative": 0, "ar": 0}
+    assert g.ar_step_s == 0.5 and g.counts == {"speculative": 0, "ar": 0, "lean": 0}
 
 
 def test_ar_estimate_is_a_running_median():
@@ -166,6 +168,36 @@ def test_ar_estimate_is_a_running_median():
     run_spec(g, 1, 100.0, 2)
     assert run_ar(g, 1.0) == 4
     assert g.ar_step_s == 1.0  # median of [10, 1, 1, 1, 1]
+
+
+def test_the_lean_rung_comes_before_ar_and_gives_the_tree_back_when_it_wins():
+    g = Guard(GuardConfig(window=2, ar_steps=2, max_ar_steps=8, lean_rounds=4), ar_step_s=1.0, has_lean=True)
+    run_spec(g, 1, 2.0, 3)  # warm-up, then a window of the tree at 0.5 token/s: below AR, the lean rung first
+    assert g.lean and not g.ar
+    run_spec(g, 3, 1.0, 4)  # the lean rung beats AR (3 tokens/s) for its stretch of 4 rounds ...
+    assert not g.lean and g.tree_probe  # ... then the tree is probed again
+    run_spec(g, 4, 2.0, 2)  # 2 tokens/s: below the lean rung's 3, back to it for twice as long
+    assert g.lean and g.lean_left == 8
+    run_spec(g, 3, 1.0, 8)
+    assert not g.lean and g.tree_probe
+    run_spec(g, 8, 2.0, 2)  # 4 tokens/s: the tree wins, and the lean stretch resets
+    assert not g.lean and not g.tree_probe and g.lean_stretch == 4
+    run_spec(g, 1, 2.0, 2)  # the tree loses to AR: the lean rung ...
+    assert g.lean
+    run_spec(g, 1, 2.0, 2)  # ... loses too: AR
+    assert g.ar and not g.lean and run_ar(g) == 2
+    run_spec(g, 1, 4.0, 3)  # the probe after AR starts with the tree; two rounds far below AR decide early
+    assert g.lean and not g.ar
+    run_spec(g, 1, 4.0, 2)
+    assert run_ar(g) == 4
+    assert g.counts == {"speculative": 28, "ar": 6, "lean": 16}
+    # without a lean tree (or with the rung off) a losing tree goes straight to AR
+    for g in (
+        Guard(GuardConfig(window=2), ar_step_s=1.0),
+        Guard(GuardConfig(window=2, lean=False), 1.0, has_lean=True),
+    ):
+        run_spec(g, 1, 2.0, 3)
+        assert g.ar and not g.lean
 
 
 def test_margin_and_disabled():
@@ -190,6 +222,22 @@ def test_greedy_with_switches_equals_autoregressive(tiny_small_vocab_dir, arch, 
         check_counts(res)
         assert res.mode_rounds["ar"] > 0 and res.mode_rounds["speculative"] >= 4  # back and forth
         assert res.timers_ms["ar"] > 0
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+@pytest.mark.parametrize("head", ["full", "nanospec"])
+def test_greedy_through_the_lean_rung_equals_autoregressive(tiny_small_vocab_dir, arch, head):
+    """Every step one tick and a margin no round meets: each one-round window sends the tree to the lean rung
+    and the lean rung to AR, so a request goes through every rung again and again; the output must not move."""
+    dec = make_decoder(tiny_small_vocab_dir, arch, head, LOOKUP_TREE)
+    dec.guard = Guard(GuardConfig(window=1, ar_steps=2, max_ar_steps=4, margin=1e6), clock=ticking(), has_lean=True)
+    assert dec.lean_tree == TreeConfig.parse("1x0x2+lookup:8")
+    for prompt in prompts(3, 4):
+        ar = dec.generate(prompt, 48, speculative=False)
+        res = dec.generate(prompt, 48)
+        assert res.tokens == ar.tokens
+        check_counts(res)
+        assert 0 < res.mode_rounds["lean"] < res.mode_rounds["speculative"] and res.mode_rounds["ar"] > 0
 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
@@ -235,7 +283,7 @@ def test_huge_ar_figure_never_switches(tiny_small_vocab_dir):
     for prompt in prompts(3, 3):
         a, b = guarded.generate(prompt, 40), plain.generate(prompt, 40)
         assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
-        assert a.mode_rounds == b.mode_rounds == {"speculative": len(b.accept_lengths), "ar": 0}
+        assert a.mode_rounds == b.mode_rounds == {"speculative": len(b.accept_lengths), "ar": 0, "lean": 0}
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -270,13 +318,14 @@ def test_stop_budget_and_context_with_switches(tiny_small_vocab_dir, steps):
 
 
 class Alternating(Guard):
-    """One AR step after every speculative round: the mode changes at every point of the sequence."""
+    """One AR step after every speculative round, whose tree alternates between the decoder's and the lean one:
+    the mode changes at every point of the sequence."""
 
     def record(self, tokens, seconds):
         spec = not self.ar
         super().record(tokens, seconds)
         if spec:
-            self.ar_left = 1
+            self.ar_left, self.lean = 1, not self.lean
 
 
 @pytest.mark.once  # the guard chooses modes; the law is the acceptance rule's

@@ -134,7 +134,8 @@ def cmd_demo(args) -> int:
             s = dec.generate(ids, args.max_new_tokens)
             same = a.tokens == s.tokens
             ok &= same
-            guarded = f" (guard: {s.mode_rounds['ar']} AR steps)" if s.mode_rounds.get("ar") else ""
+            rungs = [f"{s.mode_rounds[m]} {m} rounds" for m in ("lean", "ar") if s.mode_rounds.get(m)]
+            guarded = f" (guard: {', '.join(rungs)})" if rungs else ""
             line.append(
                 f"{name} {len(s.tokens) / s.wall_s:.1f} tok/s, tau {s.tau:.2f}{guarded}, identical to AR: {same}"
             )

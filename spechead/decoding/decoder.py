@@ -107,8 +107,9 @@ class Decoder:
         step time on this machine, which spares the guard measuring one (it still refines it from the AR
         steps it runs)."""
         self.target, self.drafter, self.head = target, drafter, head
-        self.guard = Guard(guard or GuardConfig(enabled=False), ar_step_s)
         self.tree = tree or TreeConfig()
+        self.lean_tree = self.tree.lean()
+        self.guard = Guard(guard or GuardConfig(enabled=False), ar_step_s, has_lean=self.lean_tree != self.tree)
         self.max_len = min(max_len, target.config.max_position_embeddings)
         self.stop_ids = set(stop_ids or [])
         self.device = target.lm_head.weight.device
@@ -201,7 +202,8 @@ class Decoder:
         )  # fmt: skip
 
     def _speculative(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        target, drafter, head, tree_cfg, guard = self.target, self.drafter, self.head, self.tree, self.guard
+        target, drafter, head, guard = self.target, self.drafter, self.head, self.guard
+        tree_cfg = self.tree  # (the lookup length is the same in the lean tree)
         tm, gen, t0, dev = Timers(), self._generator(cfg), time.perf_counter(), self.device
         head.timers.reset()
         guard.begin()
@@ -242,9 +244,10 @@ class Decoder:
                     pos = torch.arange(length - f.shape[0], length, device=dev)
                     h = drafter(torch.tensor(next_tokens, device=dev), f, length - f.shape[0], pos, None)  # causal
                     next_tokens = []
-                n_nodes = min(tree_cfg.total_tokens - 1, room - 1)
+                shape = self.lean_tree if guard.lean else tree_cfg
+                n_nodes = min(shape.total_tokens - 1, room - 1)
                 with tm("draft", dev):
-                    tree = draft_tree(drafter, head, h[-1:], root, length, tree_cfg, n_nodes)
+                    tree = draft_tree(drafter, head, h[-1:], root, length, shape, n_nodes)
                     if lookup is not None:
                         tree = graft(tree, lookup.propose(min(tree_cfg.lookup, room - tree.size)))
                 with tm("verify", dev):

@@ -25,13 +25,22 @@ class GuardConfig:
     ``Guard.PROBE_EARLY`` (3/4) of the AR rate: probing a drafter that never hits for a full window per
     request cost 30 % of AR's speed (the fifth session's benchmark, results/bench/portable), and with the
     early exit at half the AR rate a drafter that never hits on the demo target (1-token rounds of 1.96 AR
-    steps) still ran every probe for a full window: 0.94x AR (eleventh session, results/bench/zen3)."""
+    steps) still ran every probe for a full window: 0.94x AR (eleventh session, results/bench/zen3).
+
+    Before AR, a lean rung (``lean``, where the decoder has one: a single draft token plus the same lookup
+    branch, one head call a round): a tree that loses to AR first hands over to it, since where few drafts are
+    accepted the cheapest draft wins (the full head on the demo's first prompt, CPU A: its tuned 2x1x4+lookup:8
+    tree 0.99x AR, 1x0x2+lookup:8 1.10x). The lean rung falls to AR when it loses too; after ``lean_rounds``
+    lean rounds the tree is probed again for a window and kept if it beats the lean rung's last window
+    (else the next lean stretch doubles, up to ``max_ar_steps`` rounds)."""
 
     enabled: bool = True
     window: int = 8
     ar_steps: int = 8
     max_ar_steps: int = 128
     margin: float = 1.0
+    lean: bool = True
+    lean_rounds: int = 16
 
     def __post_init__(self) -> None:
         def whole(name: str, low: int) -> None:
@@ -39,9 +48,11 @@ class GuardConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"GuardConfig.{name} must be an integer >= {low}, got {v!r}")
 
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"GuardConfig.enabled must be a bool, got {self.enabled!r}")
+        for flag in ("enabled", "lean"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"GuardConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         whole("window", 1)
+        whole("lean_rounds", 1)
         whole("ar_steps", 1)
         whole("max_ar_steps", self.ar_steps)
         m = self.margin
@@ -57,11 +68,17 @@ class Guard:
     PROBE_EARLY = 0.75  # in a probe, two rounds under this fraction of the AR rate send it back to AR
 
     def __init__(
-        self, cfg: GuardConfig, ar_step_s: float | None = None, clock: Callable[[], float] = time.perf_counter
+        self,
+        cfg: GuardConfig,
+        ar_step_s: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        has_lean: bool = False,
     ) -> None:
+        """``has_lean``: the decoder has a lean tree smaller than its own (the rung is used if ``cfg.lean``)."""
         if ar_step_s is not None and not (0 < ar_step_s < math.inf):
             raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
         self.cfg, self.clock = cfg, clock
+        self.has_lean = has_lean and cfg.lean and cfg.enabled
         self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
         self.stretch = cfg.ar_steps  # the next stretch, should speculation lose (kept across requests)
         self.spent = (0, 0.0)  # the last request's counted speculative rounds: (tokens, seconds)
@@ -91,8 +108,13 @@ class Guard:
         self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
         self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
         self.probing = lost  # rounds right after an AR stretch
+        self.lean = False  # drafting with the lean tree
+        self.lean_left = 0  # lean rounds before the tree is probed again
+        self.lean_stretch = self.cfg.lean_rounds
+        self.lean_rate = 0.0  # tokens / s over the lean rung's last full window
+        self.tree_probe = False  # a window of the tree after a lean stretch
         self.spent = (0, 0.0)
-        self.counts = {"speculative": 0, "ar": 0}
+        self.counts = {"speculative": 0, "ar": 0, "lean": 0}
 
     @property
     def ar(self) -> bool:
@@ -107,6 +129,9 @@ class Guard:
             self.ar_left -= 1
             return
         self.counts["speculative"] += 1
+        if self.lean:
+            self.counts["lean"] += 1
+            self.lean_left -= 1
         if not self.cfg.enabled or not self.warm:
             self.warm = True
             return
@@ -121,12 +146,29 @@ class Guard:
             return
         if self.ar_step_s is None:  # nothing to compare with yet: an AR stretch measures it (its tokens are real)
             self._to_ar(self.cfg.ar_steps)
+        elif self.tree_probe and toks < self.lean_rate * secs:  # the tree lost to the lean rung again
+            self._to_lean(min(2 * self.lean_stretch, self.cfg.max_ar_steps))
         elif self._slower(toks, secs):
-            self._to_ar(self.stretch)
-            self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
+            if self.has_lean and not self.lean:  # the lean rung first
+                self._to_lean(self.lean_stretch)
+            else:
+                self._to_ar(self.stretch)
+                self.stretch = min(2 * self.stretch, self.cfg.max_ar_steps)
         else:
             self.stretch, self.probing = self.cfg.ar_steps, False
+            if self.lean:
+                self.lean_rate = toks / secs
+                if self.lean_left <= 0:  # probe the tree again
+                    self.lean, self.tree_probe = False, True
+                    self.rounds.clear()
+            elif self.tree_probe:  # the tree beat the lean rung: back to it
+                self.tree_probe, self.lean_stretch = False, self.cfg.lean_rounds
+
+    def _to_lean(self, rounds: int) -> None:
+        self.lean, self.lean_left, self.lean_stretch, self.tree_probe = True, rounds, rounds, False
+        self.rounds.clear()
 
     def _to_ar(self, steps: int) -> None:
         self.ar_left, self.warm, self.probing = steps, False, True
+        self.lean, self.tree_probe = False, False
         self.rounds.clear()

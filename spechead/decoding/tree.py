@@ -58,6 +58,10 @@ class TreeConfig:
         """Classic chain drafting: ``length`` tokens, one candidate each."""
         return cls(top_k=1, depth=length - 1, total_tokens=length + 1)
 
+    def lean(self) -> TreeConfig:
+        """The guard's rung below this tree: one draft token (one head call a round), the same lookup branch."""
+        return self if self.total_tokens <= 2 else replace(self, top_k=1, depth=0, total_tokens=2)
+
     @classmethod
     def parse(cls, spec: str) -> TreeConfig:
         """``K,D,T`` or ``KxDxT`` (top_k, depth, total tokens), or ``chain:N``; ``+lookup:L`` adds a
