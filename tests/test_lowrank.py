@@ -214,3 +214,7 @@ def test_tied_full_head_shares_the_targets_layout_and_a_changed_weight_gets_a_ne
     again = PackedLinear(W)
     assert again.blocked is not target_head.blocked and not again.shares_layout
     torch.testing.assert_close(again(h), torch.nn.functional.linear(h, W), rtol=1e-4, atol=1e-5)
+    with torch.inference_mode():  # an inference tensor keeps no version counter: laid out, never shared
+        Wi = torch.randn(4096, 64, generator=g)
+        first, second = PackedLinear(Wi), PackedLinear(Wi)
+        assert first.blocked is not second.blocked and torch.equal(first(h), second(h))

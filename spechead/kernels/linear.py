@@ -51,15 +51,17 @@ class BlockedWeight:
         layout = cls.shared(weight)
         if layout is None:
             layout = cls(weight.detach())
-            key = id(weight)
-            _LAYOUTS[key] = (weakref.ref(weight, lambda _, k=key: _LAYOUTS.pop(k, None)), weight._version, layout)
+            version = _version(weight)
+            if version is not None:  # (an inference tensor has no version counter: it is not shared)
+                key = id(weight)
+                _LAYOUTS[key] = (weakref.ref(weight, lambda _, k=key: _LAYOUTS.pop(k, None)), version, layout)
         return layout
 
     @staticmethod
     def shared(weight: Tensor) -> BlockedWeight | None:
         """The layout ``of`` already built for this tensor in its current state, if any."""
         hit = _LAYOUTS.get(id(weight))
-        return hit[2] if hit is not None and hit[0]() is weight and hit[1] == weight._version else None
+        return hit[2] if hit is not None and hit[0]() is weight and hit[1] == _version(weight) else None
 
     @property
     def shape(self) -> torch.Size:
@@ -98,6 +100,11 @@ class BlockedWeight:
 
 # BlockedWeight.of: id(tensor) -> (the tensor, its version when laid out, the layout)
 _LAYOUTS: dict[int, tuple[weakref.ref, int, BlockedWeight]] = {}
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's in-place version counter (None for an inference tensor, which keeps none)."""
+    return None if t.is_inference() else t._version
 
 
 def mkl_packing_available() -> bool:
