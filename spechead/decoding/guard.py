@@ -30,9 +30,11 @@ class GuardConfig:
     Before AR, a lean rung (``lean``, where the decoder has one: a single draft token plus the same lookup
     branch, one head call a round): a tree that loses to AR first hands over to it, since where few drafts are
     accepted the cheapest draft wins (the full head on the demo's first prompt, CPU A: its tuned 2x1x4+lookup:8
-    tree 0.99x AR, 1x0x2+lookup:8 1.10x). The lean rung falls to AR when it loses too; after ``lean_rounds``
-    lean rounds the tree is probed again for a window and kept if it beats the lean rung's last window
-    (else the next lean stretch doubles, up to ``max_ar_steps`` rounds)."""
+    tree 0.99x AR, 1x0x2+lookup:8 1.10x). The lean rung falls to AR when it loses too, and the probes after an
+    AR stretch draft lean (the cheap rounds: probing with the tree first, then the lean rung, took an always-wrong
+    drafter from 0.98x to 0.95x AR); after ``lean_rounds`` winning lean rounds the tree is probed again for a
+    window and kept if it beats the lean rung's last window (else the next lean stretch doubles, up to
+    ``max_ar_steps`` rounds)."""
 
     enabled: bool = True
     window: int = 8
@@ -108,9 +110,9 @@ class Guard:
         self.rounds: deque[tuple[int, float]] = deque(maxlen=self.cfg.window)  # (tokens, seconds)
         self.warm = False  # the first round after prefill or an AR stretch (its long catch-up) is not counted
         self.probing = lost  # rounds right after an AR stretch
-        self.lean = False  # drafting with the lean tree
-        self.lean_left = 0  # lean rounds before the tree is probed again
         self.lean_stretch = self.cfg.lean_rounds
+        self.lean = lost and self.has_lean  # drafting with the lean tree (a probe after AR steps is lean)
+        self.lean_left = self.lean_stretch  # lean rounds before the tree is probed again
         self.lean_rate = 0.0  # tokens / s over the lean rung's last full window
         self.tree_probe = False  # a window of the tree after a lean stretch
         self.spent = (0, 0.0)
@@ -170,5 +172,5 @@ class Guard:
 
     def _to_ar(self, steps: int) -> None:
         self.ar_left, self.warm, self.probing = steps, False, True
-        self.lean, self.tree_probe = False, False
+        self.lean, self.lean_left, self.tree_probe = self.has_lean, self.lean_stretch, False  # the probe: lean
         self.rounds.clear()
