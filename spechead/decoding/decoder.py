@@ -202,8 +202,7 @@ class Decoder:
         )  # fmt: skip
 
     def _speculative(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        target, drafter, head, guard = self.target, self.drafter, self.head, self.guard
-        tree_cfg = self.tree  # (the lookup length is the same in the lean tree)
+        target, drafter, head, tree_cfg, guard = self.target, self.drafter, self.head, self.tree, self.guard
         tm, gen, t0, dev = Timers(), self._generator(cfg), time.perf_counter(), self.device
         head.timers.reset()
         guard.begin()
@@ -244,7 +243,7 @@ class Decoder:
                     pos = torch.arange(length - f.shape[0], length, device=dev)
                     h = drafter(torch.tensor(next_tokens, device=dev), f, length - f.shape[0], pos, None)  # causal
                     next_tokens = []
-                shape = self.lean_tree if guard.lean else tree_cfg
+                shape = self.lean_tree if guard.lean else tree_cfg  # (the lean tree keeps tree_cfg's lookup)
                 n_nodes = min(shape.total_tokens - 1, room - 1)
                 with tm("draft", dev):
                     tree = draft_tree(drafter, head, h[-1:], root, length, shape, n_nodes)
