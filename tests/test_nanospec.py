@@ -324,22 +324,25 @@ def test_ctx_rows_reads_the_targets_guesses_at_the_last_prompt_rows_only(target)
 
 
 def test_ctx_rows_auto_bounds_the_heads_share_of_the_prefill(target):
-    """Every row where the head is small against the blocks, the last share of them where it dominates."""
+    """Every row where the head is small against the blocks, the last share of them where it dominates; never more than
+    CTX_ROWS_CAP rows, whatever the prompt's length (ctx_rows=0 asks for every row)."""
     from dataclasses import replace
 
-    from spechead.heads.nanospec import CTX_HEAD_SHARE
+    from spechead.heads.nanospec import CTX_HEAD_SHARE, CTX_ROWS_CAP
 
     cfg = target.config
     head = NanoSpecHead(weight(), None, V, w_max=32)  # ctx_rows=auto is the default
     ratio = cfg.vocab_size * cfg.hidden_size / cfg.block_macs()
     for n in (1, 5, 40, 300):
-        assert head.prompt_logit_rows(n, cfg) == max(1, min(n, math.ceil(n * CTX_HEAD_SHARE / ratio)))
+        assert head.prompt_logit_rows(n, cfg) == max(1, min(n, CTX_ROWS_CAP, math.ceil(n * CTX_HEAD_SHARE / ratio)))
     big = replace(cfg, vocab_size=cfg.vocab_size * 64)  # a head 64x wider: the prefill keeps fewer rows
     small = replace(cfg, vocab_size=8)
-    assert head.prompt_logit_rows(300, big) < head.prompt_logit_rows(300, cfg) <= 300
-    assert head.prompt_logit_rows(300, small) == 300
+    assert head.prompt_logit_rows(60, big) < head.prompt_logit_rows(60, cfg) == 60
+    assert head.prompt_logit_rows(40, small) == 40  # a short prompt: every row
+    assert head.prompt_logit_rows(3000, small) == CTX_ROWS_CAP  # a long one: the cap
     assert head.prompt_logit_rows(300, replace(cfg, vocab_size=1 << 30)) == 1  # never fewer than the last row
     assert NanoSpecHead(weight(), None, V, w_max=32, ctx_rows=0).prompt_logit_rows(300, big) == 300
+    assert NanoSpecHead(weight(), None, V, w_max=32, ctx_rows=500).prompt_logit_rows(3000, cfg) == 500
     assert NanoSpecHead(weight(), None, V, w_max=32, ctx_topk=0).prompt_logit_rows(300, cfg) == 1
 
 

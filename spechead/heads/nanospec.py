@@ -61,11 +61,14 @@ GATHERS = ("auto", "sync", "async")
 # "tokens" what an engine that shows the head token ids only can give (committed tokens and drafts: vLLM)
 EXT_FROM = ("logits", "tokens")
 # ctx_rows=auto: the target's logits are computed at as many of the last prompt rows as keep the head's share of the
-# prefill within this fraction of the decoder blocks' work. Every row where the head is small (SmolLM2: the head is
-# 0.27 of the blocks' multiply-adds; Llama-3.1-8B: 0.08), the last ~20 % of them where it dominates (Gemma 3 270M:
-# 1.67, where every row would triple the prefill); the Ctx guesses of the earlier rows hardly changed tau there
-# (docs/nanospec.md, "Ctx rows").
+# prefill within this fraction of the decoder blocks' work, and at most CTX_ROWS_CAP of them. The share alone gives
+# every row where the head is small (SmolLM2: the head is 0.27 of the blocks' multiply-adds; Llama-3.1-8B: 0.08) and
+# the last ~20 % where it dominates (Gemma 3 270M: 1.67, where every row would triple the prefill). The cap bounds
+# what a long prompt pays: the target's guesses at the earlier rows did not move tau on either real target (Gemma:
+# 3.71 every row, 3.70 the last 16; SmolLM2 on AMD EPYC Zen 4: 2.40 every row, 2.44 the last 64, 2.37 the last 16)
+# while every row cost SmolLM2's prefill +24 % there, 1.04x AR's with the last 64 (docs/nanospec.md, "Ctx rows").
 CTX_HEAD_SHARE = 1 / 3
+CTX_ROWS_CAP = 64
 # CPU default for gather=auto, chosen by measurement (docs/nanospec.md, "Overlap"): a worker thread
 # did not pay for its hand-off on the 2-core CPU, so the update runs at the first draft call.
 CPU_AUTO_GATHER = "sync"
@@ -155,11 +158,12 @@ class NanoSpecHead(DraftHead):
         self._reset_counters()
 
     def prompt_logit_rows(self, n: int, target_cfg: ModelConfig) -> int:
-        """ctx_rows, or (auto) the last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill."""
+        """ctx_rows, or (auto) the last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill, at most
+        CTX_ROWS_CAP (``ctx_rows=0``: every row, the paper's Ctx)."""
         if self.prompt_rows is not None or not self.needs_prompt_logits:
             return super().prompt_logit_rows(n, target_cfg)
         head_macs = target_cfg.vocab_size * target_cfg.hidden_size  # the target's head, which the prefill runs
-        return max(1, min(n, math.ceil(n * CTX_HEAD_SHARE * target_cfg.block_macs() / head_macs)))
+        return max(1, min(n, CTX_ROWS_CAP, math.ceil(n * CTX_HEAD_SHARE * target_cfg.block_macs() / head_macs)))
 
     @classmethod
     def options(cls, arg: str) -> dict[str, Any]:
