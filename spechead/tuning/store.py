@@ -19,7 +19,8 @@ import torch
 from spechead.cache import cache_dir
 from spechead.errors import say_once
 
-# 2: base models calibrate on text to continue; NanoSpec reads ctx_rows=auto prompt rows; 3: at most 64 of them
+# 2: base models calibrate on text to continue; NanoSpec reads ctx_rows=auto prompt rows; 3: at most 64 of them, and
+# the step and the verifications timed in interleaved sweeps
 TUNE_VERSION = 3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
