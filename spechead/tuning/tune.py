@@ -10,7 +10,8 @@ opened with :func:`open_session` carries :func:`resolve` as its ``tree_resolver`
 What is measured (medians, in ms):
 
 - costs (``tuning.costs``): a target decode step (1 row); a verification of n = 1..16 tree tokens (the
-  target forward on n tokens under a tree mask, as the engine runs it); a drafter catch-up pass at 1..10
+  target forward on n tokens under a tree mask, as the engine runs it; the step and the 16 sizes timed in
+  interleaved sweeps, so that a shared host's drift does not tilt the table); a drafter catch-up pass at 1..10
   rows and a tree-level pass at top_k rows; every registered head's call (``heads.make_head``) at 1 row and
   at top_k rows; the AR step time (plain decoding, its glue included), which the engine's guard takes as
   ``ar_step_s``;
