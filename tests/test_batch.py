@@ -10,6 +10,7 @@ from spechead.bench.suites import load_suite
 from spechead.cli.bench import default_eval_dir
 from spechead.decoding.batch import BatchDecoder
 from spechead.decoding.decoder import Decoder
+from spechead.decoding.guard import GuardConfig
 from spechead.decoding.sampling import SamplingConfig
 from spechead.decoding.session import resolve_drafter
 from spechead.decoding.tree import TreeConfig
@@ -162,3 +163,31 @@ def test_one_target_serves_batch1_and_batched_decoders(tiny_small_vocab_dir):
     assert target.lanes == 4
     prompts = prompts_of(16, 4, seed=3)
     assert [r.tokens for r in batch.generate(prompts, 10)] == [alone.generate(p, 10).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_batch_guard_sends_losing_rounds_to_ar_and_changes_no_output(tiny_small_vocab_dir, arch):
+    """Speculation made to look slower than AR (margin 1e6) or faster (1e-6): the guard sends most rounds to AR in
+    the first case, only its measuring stretches in the second, and every request's output is its batch-1 AR
+    output in both, with requests joining and leaving (so rounds run at several occupancies, each its own guard)."""
+    tree = TreeConfig(2, 2, 6, lookup=4)
+    dec = make_decoder(tiny_small_vocab_dir, arch, tree)
+    prompts = prompts_of(dec.target.config.vocab_size, 7, seed=3)
+    budgets = [40, 5, 33, 3, 20, 40, 12]
+    want = [dec.generate(p, n, speculative=False).tokens for p, n in zip(prompts, budgets, strict=True)]
+    weight, row_ids = dec.drafter.head_weight(dec.target)
+    make = lambda: make_head("nanospec", weight, row_ids, dec.target.config.vocab_size)  # noqa: E731
+    share = {}
+    for margin in (1e6, 1e-6):
+        cfg = GuardConfig(window=2, ar_steps=2, max_ar_steps=8, margin=margin)
+        batch = BatchDecoder(dec.target, dec.drafter, make, tree, 3, list(dec.stop_ids), guard=cfg)
+        rids = [batch.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
+        results = {}
+        while batch.busy:
+            results.update((e.rid, e.result) for e in batch.step() if e.result is not None)
+        assert [results[r].tokens for r in rids] == want
+        rounds = [results[r].mode_rounds for r in rids]
+        share[margin] = sum(m["ar"] for m in rounds) / sum(m["ar"] + m["speculative"] for m in rounds)
+        assert sum(m["speculative"] for m in rounds) > 0  # the first window and the probes speculate
+        assert len(batch.guards) > 1
+    assert share[1e6] > 0.5 > share[1e-6], share

@@ -20,6 +20,7 @@ from typing import Any
 from spechead.bench.methods import MethodSpec
 from spechead.bench.runners import method_drafter
 from spechead.decoding.batch import BatchDecoder, batch_tree
+from spechead.decoding.guard import GuardConfig
 from spechead.decoding.sampling import SamplingConfig
 from spechead.decoding.session import DEFAULT_TREE, Session
 from spechead.decoding.tree import TreeConfig
@@ -42,11 +43,14 @@ def run_batch_study(
     tree: TreeConfig | None = None,
     log: Callable[[str], None] = print,
     repeats: int = 3,
+    guard: bool = True,
 ) -> dict[str, Any]:
-    """``tree`` None: every round's tree by ``batch_tree`` over the batch-1 default for the requests in it (a
-    method's own ``@TREE`` or ``tree`` is used as given in every round). Methods run one after the other per
-    batch size, AR first (the reference, added if not given), interleaved ``repeats`` times: each figure is the
-    median run, each ratio the median of the per-repeat ratios."""
+    """``guard``: speculative methods run with the batched decoder's never-slower-than-AR guard, as the server
+    does (False: speculate in every round the tree rule allows). ``tree`` None: every round's tree by
+    ``batch_tree`` over the batch-1 default for the requests in it (a method's own ``@TREE`` or ``tree`` is used
+    as given in every round). Methods run one after the other per batch size, AR first (the reference, added if
+    not given), interleaved ``repeats`` times: each figure is the median run, each ratio the median of the
+    per-repeat ratios."""
     if any(b < 1 for b in batches):
         raise SpecheadError(f"batch sizes must be >= 1, got {batches}")
     for m in [m for m in methods if m.kind in ("hf", "pld")]:
@@ -62,7 +66,7 @@ def run_batch_study(
         reference[i] = ar.generate(p, max_new_tokens, sampling, speculative=False).tokens
     out: dict[str, Any] = {"batches": {}, "methods": [m.name for m in methods], "repeats": repeats}
     for b in batches:
-        decs = {m.name: _decoder(session, m, b, tree, drafters, loaded) for m in methods}
+        decs = {m.name: _decoder(session, m, b, tree, drafters, loaded, guard) for m in methods}
         for dec, _ in decs.values():
             dec.generate(prompts[:b], 8, sampling)  # warm-up: every lane once
         runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
@@ -110,13 +114,21 @@ def _timed(dec: BatchDecoder, prompts: list[list[int]], max_new: int, sampling: 
         "latency_p99_s": _percentile(lat, 0.99),
         "ms_per_token": 1e3 * statistics.median(r.wall_s / max(len(r.tokens), 1) for r in results),
         "tau": statistics.mean(r.tau for r in spec) if spec else 1.0,
+        "ar_round_share": sum(r.mode_rounds.get("ar", 0) for r in results)
+        / max(sum(sum(r.mode_rounds.values()) for r in results), 1),
         "round_ms": dict(dec.timers.ms),
         "mismatches_vs_ar": sum(r.tokens != reference[i] for i, r in enumerate(results)) if sampling.greedy else None,
     }
 
 
 def _decoder(
-    session: Session, m: MethodSpec, batch: int, tree: TreeConfig | None, drafters: dict[str, str], loaded: dict
+    session: Session,
+    m: MethodSpec,
+    batch: int,
+    tree: TreeConfig | None,
+    drafters: dict[str, str],
+    loaded: dict,
+    guard: bool = True,
 ) -> tuple[BatchDecoder, str]:
     """The batched decoder for method ``m`` at ``batch`` and the tree it drafts ('ar' when it does not)."""
     if m.kind == "ar":
@@ -127,7 +139,7 @@ def _decoder(
         head = f"lowrank:{max(1, drafter.head_weight(session.target)[0].shape[1] // 8)}"
     fixed = m.tree or tree
     shape = str(fixed) if fixed else f"rule ({batch_tree(DEFAULT_TREE, batch) or 'ar'} when full)"
-    return session.batch_decoder(drafter, head, fixed or "auto", batch), shape
+    return session.batch_decoder(drafter, head, fixed or "auto", batch, guard=GuardConfig(enabled=guard)), shape
 
 
 def format_batch_table(out: dict[str, Any]) -> str:

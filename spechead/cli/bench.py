@@ -129,12 +129,22 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
     drafters = {"arch": args.arch}
     drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
     out = run_batch_study(
-        session, ids, specs, batches, drafters, args.max_new_tokens, sampling, tree, repeats=args.repeats
+        session,
+        ids,
+        specs,
+        batches,
+        drafters,
+        args.max_new_tokens,
+        sampling,
+        tree,
+        repeats=args.repeats,
+        guard=not args.no_guard,
     )
     out["config"] = {
         "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
         "cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})", "suite": args.suite,
-        "tree": args.tree, "repeats": args.repeats, "command": "spechead " + shlex.join(sys.argv[1:]),
+        "tree": args.tree, "repeats": args.repeats, "guard": not args.no_guard,
+        "command": "spechead " + shlex.join(sys.argv[1:]),
     }  # fmt: skip
     print(format_batch_table(out))
     if args.json:

@@ -170,16 +170,18 @@ class Session:
         tree: TreeConfig | str | None = AUTO_TREE,
         max_batch: int = 8,
         base: TreeConfig | None = None,
+        guard: GuardConfig | None = GUARD,
     ) -> BatchDecoder:
         """A batched decoder (``decoding.batch``) over this session's target: ``max_batch`` requests at a time,
         each with its own head where the head keeps per-request state. ``tree``: one tree (a TreeConfig or spec)
         for every round, or ``auto``: each round's tree by ``batch_tree`` for the requests in it, from ``base``
-        (the batch-1 tree; default DEFAULT_TREE: batch-1 tuning does not know batches)."""
+        (the batch-1 tree; default DEFAULT_TREE: batch-1 tuning does not know batches). ``guard``: never slower than
+        batched AR (None: speculate in every round the rule allows)."""
         if isinstance(tree, str):
             tree = None if tree.strip() == AUTO_TREE else TreeConfig.parse(tree.strip())
         rule = tree or (lambda n, b=base or DEFAULT_TREE: batch_tree(b, n))
         make = (lambda: self.draft_head(drafter, head)) if drafter is not None else None
-        return BatchDecoder(self.target, drafter, make, rule, max_batch, self.stop_ids)
+        return BatchDecoder(self.target, drafter, make, rule, max_batch, self.stop_ids, guard)
 
     def encode(self, turns: list[dict[str, str]] | str, raw: bool = False) -> list[int]:
         """A prompt's ids: a string is one user turn; the chat template where the target has one (a base
