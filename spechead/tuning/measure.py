@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -28,6 +29,16 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def machine_facts(threads: int) -> dict[str, object]:
+    """What a benchmark's JSON says of the machine it ran on: CPU, torch's capability, threads, load."""
+    return {
+        "cpu": cpu_name(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -12,7 +12,6 @@ reported, not fatal).
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -20,7 +19,7 @@ import torch
 
 from spechead import kernels
 from spechead.decoding.session import Session
-from spechead.tuning.measure import cpu_name
+from spechead.tuning.measure import machine_facts
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)
@@ -80,12 +79,7 @@ ratios = {
 }
 result = {
     "command": "python results/bench/step-cost/isa_ab.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-    "machine": {
-        "cpu": cpu_name(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": args.threads,
-        "loadavg": os.getloadavg(),
-    },
+    "machine": machine_facts(args.threads),
     "context_tokens": ctx,
     "builds": isas,
     "ms": ms,

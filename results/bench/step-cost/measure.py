@@ -19,7 +19,7 @@ import torch
 
 from spechead import kernels
 from spechead.decoding.session import Session
-from spechead.tuning.measure import cpu_name
+from spechead.tuning.measure import machine_facts
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)
@@ -70,12 +70,7 @@ gbps = statistics.median(bw)
 floor_ms = weights / gbps / 1e6
 result = {
     "command": "python results/bench/step-cost/measure.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-    "machine": {
-        "cpu": cpu_name(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": args.threads,
-        "loadavg": os.getloadavg(),
-    },
+    "machine": machine_facts(args.threads),
     "kernels": kernels.active_isa() or f"none: {kernels.unavailable_reason()}",
     "SPECHEAD_ISA": os.environ.get("SPECHEAD_ISA", ""),
     "context_tokens": ctx,
