@@ -295,17 +295,24 @@ class BatchDecoder:
                     trees[i] = graft(trees[i], r.lookup.propose(min(shape.lookup, room - trees[i].size)))
         return trees
 
+    def _guard(self, n: int) -> Guard:
+        """The guard of rounds of ``n`` requests, made on first use: a round of n requests is n requests' worth of
+        evidence, so its window and AR stretch are the configured ones over n (at least 2)."""
+        if n not in self.guards:
+            cfg = self.guard_cfg
+            steps = max(2, -(-cfg.ar_steps // n))
+            window = max(2, -(-cfg.window // n))
+            self.guards[n] = Guard(
+                replace(cfg, window=window, ar_steps=steps, max_ar_steps=max(steps, cfg.max_ar_steps))
+            )
+        return self.guards[n]
+
     def _round(self, reqs: list[_Request]) -> list[BatchEvent]:
         target, drafter, dev, tm = self.target, self.drafter, self.device, self.timers
         shape = self.tree_for(len(reqs)) if drafter is not None else None
-        guard = None
-        if shape is not None and self.guard_cfg is not None:
-            if len(reqs) not in self.guards:  # a round of n requests is n requests' worth of evidence
-                n, cfg = len(reqs), self.guard_cfg
-                per = replace(cfg, window=max(2, -(-cfg.window // n)), ar_steps=max(2, -(-cfg.ar_steps // n)))
-                self.guards[n] = Guard(replace(per, max_ar_steps=max(per.ar_steps, cfg.max_ar_steps)))
-            guard = self.guards[len(reqs)]
-            shape = None if guard.ar else shape
+        guard = self._guard(len(reqs)) if shape is not None and self.guard_cfg is not None else None
+        if guard is not None and guard.ar:
+            shape = None
         t0 = time.perf_counter()
         if shape is not None:
             trees = self._trees(reqs, shape)
@@ -348,9 +355,8 @@ class BatchDecoder:
             events.append(self._emit(r, committed, spec=shape is not None))
         if guard is not None:  # a speculative round: every token it committed; an AR one: the time per request
             seconds = time.perf_counter() - t0
-            committed_all = sum(len(e.tokens) for e in events)
             if shape is not None:
-                guard.record(committed_all, seconds)
+                guard.record(sum(len(e.tokens) for e in events), seconds)
             else:
                 guard.record(1, seconds / len(reqs))
         return events
