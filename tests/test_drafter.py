@@ -142,3 +142,42 @@ def test_missing_and_corrupt_drafter(tiny_target, tmp_path):
     (tmp_path / "t" / "config.json").write_text("{")
     with pytest.raises(SpecheadError, match="invalid drafter config"):
         load_drafter(tmp_path / "t", tiny_target)
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_a_laid_out_drafter_drafts_trains_and_saves_as_before(tiny_target, tmp_path, arch):
+    """Decoders lay the drafter's projections out for the few-row kernel (``Drafter.prepack``): the same pass
+    within fp32 rounding, the same state dict, gradients as before, and an in-place update seen by the next pass."""
+    d = random_drafter(tiny_target, arch, seed=3)
+    d.setup_cache(64)
+    t = 5
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, tiny_target.config.vocab_size, (t,), generator=g)
+    width = d.fc.weight.shape[1] if arch == "eagle3" else tiny_target.config.hidden_size
+    feats, pos = torch.randn(t, width, generator=g), torch.arange(t)
+
+    def run():
+        with torch.inference_mode():
+            return d(tokens, feats, 0, pos, None).clone()
+
+    names, before = set(d.state_dict()), run()
+    d.prepack(4)
+    assert set(d.state_dict()) == names
+    torch.testing.assert_close(run(), before, rtol=1e-5, atol=1e-5)
+    d.train()
+    loss = d(tokens, feats, 0, pos, None).square().sum()
+    loss.backward()
+    assert d.fc.weight.grad is not None and d.fc.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        d.fc.weight.mul_(2.0)
+    d.eval()
+    changed = run()
+    plain = random_drafter(tiny_target, arch, seed=3)
+    plain.load_state_dict(d.state_dict())
+    plain.setup_cache(64)
+    with torch.inference_mode():
+        torch.testing.assert_close(changed, plain(tokens, feats, 0, pos, None), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, before)
+    d.save(tmp_path / arch, dtype=torch.float32)
+    back = load_drafter(tmp_path / arch, tiny_target)
+    assert set(back.state_dict()) == names

@@ -136,6 +136,7 @@ class BatchDecoder:
         if drafter is not None:
             slots = max([t.drafter_slots for _, t in shapes if t is not None] + [0])
             drafter.setup_cache(self.max_len + slots, max_batch)
+            drafter.prepack(max_batch)
             first = head()
             self._shared = None if first.per_round else first
             if first.per_round:

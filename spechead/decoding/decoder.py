@@ -124,6 +124,8 @@ class Decoder:
         # per row whatever the row count; MKL's fallback packing serves `max_rows` only, so rounds whose lookup
         # branch is shorter use F.linear)
         target.prepack(self.tree.max_rows if drafter is not None else 1)
+        if drafter is not None:
+            drafter.prepack(self.tree.top_k)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:

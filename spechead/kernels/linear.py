@@ -155,8 +155,9 @@ class PackedLinear(nn.Module):
         reach = self.KERNEL_ROWS_FP32 if weight.dtype == torch.float32 else self.KERNEL_ROWS
         self.max_rows = reach if shared else None
         self.out_dtype = None if shared else torch.float32  # None: the input's dtype
-        if shared:  # a target's projection (``from_linear``)
+        if shared:  # a model's projection (``from_linear``)
             self.weight, self.bias = weight, bias
+            self._laid_out = _version(weight)  # the weight's version its layouts were built from
             return
         self.weight: Tensor | None = None
         self.bias = bias
@@ -197,7 +198,22 @@ class PackedLinear(nn.Module):
         n = sum(t.numel() * t.element_size() for t in held)
         return n + (self.blocked.nbytes if self.blocked is not None else 0)
 
+    def _layouts_current(self, x: Tensor) -> bool:
+        """A model's projection may be one being trained (a drafter a decoder laid out, trained afterwards): under
+        autograd it takes F.linear, and a weight changed in place since its layouts were built gets them rebuilt."""
+        w = self.weight
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+            return False
+        if _version(w) != self._laid_out:
+            rows = sorted(self.packed)
+            self.blocked, self.packed, self._laid_out = None, {}, _version(w)
+            for r in rows or [1]:
+                self.pack(r)
+        return True
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.max_rows is not None and not self._layouts_current(x):  # (a head's own product never trains)
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         if self.blocked is not None and (self.max_rows is None or (x.dim() == 2 and x.shape[0] <= self.max_rows)):
             y = self.blocked(x)
             if self.bias is not None:
@@ -209,3 +225,25 @@ class PackedLinear(nn.Module):
         if packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(self.out_dtype or x.dtype)
+
+
+def prepack_linears(model: nn.Module, probe: Tensor, rows: int, skip: tuple[str, ...] = ()) -> bool:
+    """Every ``nn.Linear`` of ``model`` (but those under the submodule names in ``skip``) as a ``PackedLinear``
+    sharing its parameters (the state dict keeps its names; autograd still sees the plain product), laid out for
+    ``rows``-row products: spechead's kernel for any row count where a build runs for ``probe``'s kind of weight,
+    else MKL's packing at ``rows`` rows (fp32). Returns whether a layout applies (False on other devices, or with
+    neither). Idempotent."""
+    if probe.device.type != "cpu":
+        return False
+    if not kernels.supports(probe) and (rows < 2 or probe.dtype != torch.float32 or not mkl_packing_available()):
+        return False
+    for name, child in list(model.named_modules()):
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        if isinstance(child, nn.Linear):
+            parent_name, _, attr = name.rpartition(".")
+            child = PackedLinear.from_linear(child)
+            setattr(model.get_submodule(parent_name), attr, child)
+        if isinstance(child, PackedLinear):
+            child.pack(rows)
+    return True

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from spechead import kernels
-from spechead.kernels.linear import PackedLinear, mkl_packing_available
+from spechead.kernels.linear import PackedLinear, prepack_linears
 from spechead.model.config import ModelConfig
 from spechead.model.layers import (
     KERNEL_ROWS,
@@ -104,20 +104,8 @@ class Transformer(nn.Module):
         """Lay out every projection for few-row products: spechead's kernels (any row count up to 16) where
         a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
         layout applies. Idempotent; see ``kernels.linear.PackedLinear`` for why."""
-        w = self.lm_head.weight
-        if w.device.type != "cpu":
-            return False
-        if not kernels.supports(w) and (rows < 2 or w.dtype != torch.float32 or not mkl_packing_available()):
-            return False
         self._fused = None
-        for name, child in list(self.named_modules()):
-            if isinstance(child, nn.Linear):
-                parent_name, _, attr = name.rpartition(".")
-                child = PackedLinear.from_linear(child)
-                setattr(self.get_submodule(parent_name), attr, child)
-            if isinstance(child, PackedLinear):
-                child.pack(rows)
-        return True
+        return prepack_linears(self, self.lm_head.weight, rows)
 
     def window(self, start: int, positions: Tensor, mask: Tensor | None) -> tuple[int, Tensor | None]:
         """The sliding-window layers' view of slots [0, start+T): (first slot read, mask over the slots read).

@@ -96,6 +96,7 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
     drafter.setup_cache(session.max_len + 64)
     before = packs(target)
     target.prepack(1)
+    drafter.prepack(1)  # as the decoders lay it out
     pre = target(x, 0, want_aux=want_aux)
     feats = drafter.target_features(pre)
     costs: dict[str, Any] = {"prefix": p}
