@@ -130,9 +130,10 @@ class PackedLinear(nn.Module):
 
     Two uses, two constructors. ``PackedLinear(weight)``: a frozen head product with a float32 result, the
     kernel for every call (the plain weight is then dropped: one copy of W either way), ``F.linear`` below
-    ``MIN_NUMEL``. ``PackedLinear.from_linear(linear)``: an inference stand-in for a target's ``nn.Linear``
-    (same parameters, shared so tied weights stay tied; result in the input's dtype), with the kernel for up
-    to ``KERNEL_ROWS`` rows once ``pack`` has laid the weight out (one more copy of it).
+    ``MIN_NUMEL``. ``PackedLinear.from_linear(linear)``: a stand-in for a target's or a drafter's ``nn.Linear``
+    (same parameters, shared so tied weights stay tied and the state dict keeps its names; result in the input's
+    dtype), with the kernel for up to ``KERNEL_ROWS`` rows once ``pack`` has laid the weight out (one more copy of
+    it); under autograd it is the plain product, and a weight changed in place gets its layouts rebuilt.
     """
 
     # a target projection: longer inputs (prefill) use F.linear, unless ``pack`` was asked for more rows (a large
