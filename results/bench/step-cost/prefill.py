@@ -6,23 +6,11 @@ lengths, next to MKL's sgemm on 2048-square matrices, both on ``--threads``.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from spechead.decoding.session import Session
-from spechead.tuning.measure import machine_facts
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from spechead.tuning.measure import machine_facts, median_ms
 
 
 def main() -> None:
@@ -38,11 +26,11 @@ def main() -> None:
     params = sum(t.numel() for t in target.model.layers.parameters())
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     print(machine_facts(args.threads))
-    print(f"sgemm 2048^3: {2 * 2048**3 / median_s(lambda: a @ b, args.repeats) / 1e9:.0f} GFLOP/s")
+    print(f"sgemm 2048^3: {2 * 2048**3 / median_ms(lambda: a @ b, args.repeats) / 1e6:.0f} GFLOP/s")
     with torch.inference_mode():
         for n in (int(x) for x in args.lengths.split(",")):
             ids = torch.arange(n) % 1000 + 100
-            s = median_s(lambda ids=ids: target(ids, 0, logits_rows=slice(-1, None)), args.repeats)
+            s = median_ms(lambda ids=ids: target(ids, 0, logits_rows=slice(-1, None)), args.repeats) / 1e3
             print(f"prefill {n} tokens: {1e3 * s:.0f} ms, {2 * params * n / s / 1e9:.0f} GFLOP/s (layers)")
     del ar
 
