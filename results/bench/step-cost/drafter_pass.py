@@ -61,6 +61,7 @@ floor_ms = weight_bytes / read / 1e6
 out = {
     "machine": machine_facts(args.threads),
     "bandwidth": bandwidth,
+    "copy_GBps_between_sweeps": meter.median(),  # the drift during the runs, against bandwidth's copy_GBps
     "drafter_weight_MB": weight_bytes / 1e6,
     "floor_ms": floor_ms,
     "context": ctx,
@@ -69,7 +70,10 @@ out = {
 }
 with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
-print(f"{out['machine']['cpu']} ({out['machine']['capability']}), {args.threads} threads; read {read:.1f} GB/s")
+print(
+    f"{out['machine']['cpu']} ({out['machine']['capability']}), {args.threads} threads; read {read:.1f} GB/s, "
+    f"copy {bandwidth['copy_GBps']:.1f} GB/s before the runs and {meter.median():.1f} between sweeps"
+)
 print(f"drafter weights {weight_bytes / 1e6:.1f} MB: floor {floor_ms:.2f} ms a pass")
 for r in rows:
     a, b = out["median_ms"]["F.linear"][r], out["median_ms"]["kernel"][r]

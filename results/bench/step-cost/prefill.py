@@ -22,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     session = Session.open("demo", max_len=2048)
     target = session.target
-    ar = session.decoder(None)  # lays the target out as AR decoding does
+    target.prepack(1)  # laid out as AR decoding lays it out
     params = sum(t.numel() for t in target.model.layers.parameters())
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     print(machine_facts(args.threads))
@@ -32,7 +32,6 @@ def main() -> None:
             ids = torch.arange(n) % 1000 + 100
             s = median_ms(lambda ids=ids: target(ids, 0, logits_rows=slice(-1, None)), args.repeats) / 1e3
             print(f"prefill {n} tokens: {1e3 * s:.0f} ms, {2 * params * n / s / 1e9:.0f} GFLOP/s (layers)")
-    del ar
 
 
 if __name__ == "__main__":
