@@ -6,13 +6,16 @@ import argparse
 import os
 from pathlib import Path
 
+import torch
+
 from spechead.cli.args import add_target, add_threads, set_threads
 from spechead.errors import SpecheadError
 from spechead.model.loading import load_target
+from spechead.model.tokenizer import load_tokenizer
 from spechead.training.config import TrainConfig
-from spechead.training.data import GEN_ENGINES, generate_data
+from spechead.training.data import GEN_ENGINES, generate_data, load_examples
 from spechead.training.extract import extract_to
-from spechead.training.loop import train
+from spechead.training.loop import OnlineChunks, train
 
 
 def cmd_gen_data(args) -> int:
@@ -29,6 +32,7 @@ def cmd_gen_data(args) -> int:
         args.stop_after,
         args.dtype,
         args.engine,
+        args.device,
     )
     print(f"wrote {n} records to {args.out}")
     return 0
@@ -66,6 +70,7 @@ def train_config(args) -> TrainConfig:
         arch=args.arch,
         head=args.head,
         lowrank_init=args.lowrank_init,
+        lowrank_teacher=args.lowrank_teacher,
         steps_ttt=args.ttt_steps,
         epochs=args.epochs,
         max_steps=args.max_steps,
@@ -105,13 +110,37 @@ def cmd_train(args) -> int:
     features = Path(args.features) if args.features else out / "features"
     cfg = train_config(args)
     cfg.rank  # validate the head spec before any work  # noqa: B018
-    if args.data:
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise SpecheadError(f"--max-minutes must be > 0, got {args.max_minutes}")
+    device = accelerator(args.device)
+    online = None
+    if args.online:
+        if not args.data:
+            raise SpecheadError("--online computes the features from --data FILES; pass them")
+        model, folder = load_target(args.target, device=device)
+        ctx = model.config.max_position_embeddings
+        examples = load_examples(load_tokenizer(folder), args.data, max_len=min(args.max_len, ctx), seed=args.seed)
+        pack = min(max(2048, args.max_len), ctx)
+        online = OnlineChunks(model, examples, args.chunk_tokens, pack, args.arch == "eagle3")
+    elif args.data:
         model = extract_to(args.target, args.data, features, args.arch, args.max_len, args.seed, args.chunk_tokens)
+        model = model.to(device)
     elif not (features / "meta.json").is_file():
         raise SpecheadError(f"no features in {features}: pass --data FILES or --features DIR")
     else:
-        model, _ = load_target(args.target)
-    metrics = train(model, features, out, cfg, args.init, not args.no_resume, not args.quiet, args.stop_after)
+        model, _ = load_target(args.target, device=device)
+    metrics = train(
+        model,
+        features,
+        out,
+        cfg,
+        args.init,
+        not args.no_resume,
+        not args.quiet,
+        args.stop_after,
+        online,
+        args.max_minutes,
+    )
     if int(os.environ.get("RANK", "0")):
         return 0
     if metrics["steps"] < metrics.get("total_steps", metrics["steps"]):
@@ -123,6 +152,26 @@ def cmd_train(args) -> int:
         print(f"held-out top-1 agreement per step: {top1} ({ev['positions']} positions)")
     print(f"drafter saved to {out}")
     return 0
+
+
+def accelerator(name: str) -> torch.device:
+    """The device to run the target and the drafter on; on a GPU, float32 matrix products use its TF32 units
+    (training data and gradients, never decoding)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SpecheadError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecheadError("--device cuda: no CUDA device is visible to torch")
+        torch.backends.cuda.matmul.allow_tf32 = True
+    elif device.type != "cpu":
+        raise SpecheadError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] to generate / train on a GPU")
 
 
 def _features_options(p: argparse.ArgumentParser) -> None:
@@ -156,6 +205,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="spechead: the batched decoder (continuous batching; greedy replies are the target's own, token for "
         "token); transformers: static batches of generate",
     )
+    _add_device(g)
     g.set_defaults(func=cmd_gen_data)
 
     e = sub.add_parser("extract", help="cache the target features drafters train on")
@@ -182,6 +232,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--features", default=None, help="feature folder (default OUT/features)")
     t.add_argument("--head", default="full", help="full | lowrank:R")
     t.add_argument("--lowrank-init", default="svd", choices=["svd", "random"])
+    t.add_argument(
+        "--lowrank-teacher",
+        default="head",
+        choices=["head", "target"],
+        help="with --init and a low-rank head: learn the init's full head on the drafter's states (head), or the "
+        "target's next-token distribution with the backbone, the SlimSpec way (target)",
+    )
     t.add_argument("--init", default=None, help="start from this drafter folder")
     t.add_argument("--freeze-backbone", action="store_true", help="post-hoc low-rank head: distil from --init's head")
     t.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (default 1 eagle2, 7 eagle3)")
@@ -206,6 +263,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-resume", action="store_true")
     t.add_argument("--stop-after", type=int, default=None, help="stop this call after N steps (resume later)")
     t.add_argument("--quiet", action="store_true")
+    _add_device(t)
+    t.add_argument(
+        "--online",
+        action="store_true",
+        help="compute the target's states from --data as training needs them, never cached (for a GPU)",
+    )
+    t.add_argument(
+        "--max-minutes", type=float, default=None, help="train for this long: the learning rate decays over the time"
+    )
     t.set_defaults(func=cmd_train)
 
     f = sub.add_parser("fit-lowrank", help="fit an EAGLE-2 drafter's low-rank head to its own states (no training)")

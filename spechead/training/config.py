@@ -19,6 +19,7 @@ class TrainConfig:
     arch: str = "eagle2"
     head: str = "full"  # full | lowrank:R
     lowrank_init: str = "svd"  # svd | random
+    lowrank_teacher: str = "head"  # with --init: distil the init's full head (head) or the target's distribution
     steps_ttt: int = 0  # 0 = architecture default (1 for eagle2, 7 for eagle3)
     step_decay: float = 0.8
     epochs: float = 1.0
@@ -106,7 +107,9 @@ def make_drafter(target: Transformer, cfg: TrainConfig, init: str | None = None)
         drafter._tied = []
         drafter.lm_head = head.float()
         drafter.config.extra["lm_head_rank"] = rank
-        teacher = full if init else None
+        if cfg.lowrank_teacher not in ("head", "target"):
+            raise SpecheadError(f"unknown --lowrank-teacher {cfg.lowrank_teacher!r}; expected head or target")
+        teacher = full if init and cfg.lowrank_teacher == "head" else None
     if cfg.freeze_backbone:
         if not init or rank is None:
             raise SpecheadError("--freeze-backbone is the post-hoc low-rank route: it needs --init and --head lowrank")

@@ -219,6 +219,7 @@ def generate_data(
     stop_after: int | None = None,
     dtype: str = "float32",
     engine: str = "spechead",
+    device: str = "cpu",
 ) -> int:
     """Regenerate the first assistant turn of every prompt with the target, appending to ``out``.
 
@@ -247,6 +248,10 @@ def generate_data(
         raise SpecheadError(f"--engine must be one of {', '.join(GEN_ENGINES)}, not {engine!r}")
     if dtype not in ("float32", "bfloat16"):
         raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if device != "cpu" and engine != "transformers":
+        raise SpecheadError(
+            "--device other than cpu needs --engine transformers (spechead's decoder is tuned for CPUs)"
+        )
     if batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise SpecheadError("--batch-size, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if threads:
@@ -280,9 +285,13 @@ def generate_data(
     if not todo:
         return 0
     stops = stop_token_ids(tok, read_config(folder))
-    run = _engine_replies if engine == "spechead" else _transformers_replies
     ids = [p[2] for p in todo]
-    replies = run(target, folder, dtype, ids, batch_size, max_new_tokens, temperature, seed, done, stops)
+    if engine == "spechead":
+        replies = _engine_replies(target, dtype, ids, batch_size, max_new_tokens, temperature, seed, done, stops)
+    else:
+        replies = _transformers_replies(
+            folder, dtype, ids, batch_size, max_new_tokens, temperature, seed, stops, device
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     bar = tqdm(total=len(prompts), initial=done, desc=f"gen-data ({engine})", unit="prompt", dynamic_ncols=True)
@@ -346,7 +355,7 @@ def _split_stop(tokens: list[int], stops: list[int]) -> tuple[list[int], int | N
     return (tokens, None) if cut is None else (tokens[:cut], tokens[cut])
 
 
-def _engine_replies(target, folder, dtype, prompts, batch_size, max_new, temperature, seed, first, stops):
+def _engine_replies(target, dtype, prompts, batch_size, max_new, temperature, seed, first, stops):
     """Replies on spechead's batched decoder, yielded in the prompts' order (a prompt's draws are seeded by its
     index, so a resumed run samples what the uninterrupted one would have)."""
     import torch
@@ -372,14 +381,16 @@ def _engine_replies(target, folder, dtype, prompts, batch_size, max_new, tempera
             emitted += 1
 
 
-def _transformers_replies(target, folder, dtype, prompts, batch_size, max_new, temperature, seed, first, stops):
-    """Replies from transformers' ``generate`` on left-padded static batches, in the prompts' order."""
+def _transformers_replies(folder, dtype, prompts, batch_size, max_new, temperature, seed, stops, device="cpu"):
+    """Replies from transformers' ``generate`` on left-padded static batches, in the prompts' order, on ``device``
+    (a GPU generates a batch of a thousand replies in seconds; its greedy text may part from the CPU target's after
+    a near tie, which training data tolerates)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from spechead.model.tokenizer import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     pad_id = load_tokenizer(folder).pad_token_id
     pad = pad_id if pad_id is not None else stops[0]
     gen = torch.Generator().manual_seed(seed)
@@ -397,7 +408,12 @@ def _transformers_replies(target, folder, dtype, prompts, batch_size, max_new, t
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
                 kw.update(temperature=temperature, top_p=1.0, top_k=0)
             res = model.generate(
-                input_ids=ids, attention_mask=att, max_new_tokens=max_new, eos_token_id=stops, pad_token_id=pad, **kw
+                input_ids=ids.to(device),
+                attention_mask=att.to(device),
+                max_new_tokens=max_new,
+                eos_token_id=stops,
+                pad_token_id=pad,
+                **kw,
             )
             for j in range(len(batch)):
                 yield _split_stop(res[j, width:].tolist(), stops)

@@ -107,15 +107,7 @@ def extract_features(
     if not examples:
         raise SpecheadError("no examples to extract features from")
     out.mkdir(parents=True, exist_ok=True)
-    # Deterministic chunk assignment, so a resumed run rebuilds the same chunks.
-    chunks: list[list[Example]] = [[]]
-    size = 0
-    for ex in examples:
-        if size >= chunk_tokens:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(ex)
-        size += len(ex.ids)
+    chunks = assign_chunks(examples, chunk_tokens)
     info = {
         "hidden_size": target.config.hidden_size,
         "vocab_size": target.config.vocab_size,
@@ -148,26 +140,55 @@ def extract_features(
         dynamic_ncols=True,
     )
     for i in todo:
-        hid, aux = [], []
-        for group in pack(chunks[i], pack_tokens):
-            h, a = target_states(target, group, want_aux)
-            hid.append(h.to(dtype).cpu())
-            if want_aux:
-                aux.append(a.to(dtype).cpu())
-            bar.update(h.shape[0])
-        lengths = torch.tensor([len(e.ids) for e in chunks[i]])
-        data = {
-            "ids": torch.tensor([t for e in chunks[i] for t in e.ids]),
-            "mask": torch.tensor([m for e in chunks[i] for m in e.mask]),
-            "starts": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            "hidden": torch.cat(hid),
-            "aux": torch.cat(aux) if want_aux else None,
-        }
+        c = chunk_states(target, chunks[i], want_aux, pack_tokens, dtype, torch.device("cpu"), bar.update)
+        data = {"ids": c.ids, "mask": c.mask, "starts": c.starts, "hidden": c.hidden, "aux": c.aux}
         tmp = paths[i].with_suffix(".tmp")
         torch.save(data, tmp)
         os.replace(tmp, paths[i])
     bar.close()
     return paths
+
+
+def assign_chunks(examples: list[Example], chunk_tokens: int) -> list[list[Example]]:
+    """Examples in order, cut into chunks of about ``chunk_tokens`` tokens (deterministic, so a resumed
+    extraction rebuilds the same chunks and an online run plans the same packs)."""
+    chunks: list[list[Example]] = [[]]
+    size = 0
+    for ex in examples:
+        if size >= chunk_tokens:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(ex)
+        size += len(ex.ids)
+    return chunks
+
+
+def chunk_states(
+    target: Transformer,
+    examples: list[Example],
+    want_aux: bool,
+    pack_tokens: int,
+    dtype: torch.dtype,
+    keep_on: torch.device,
+    progress=None,
+) -> Chunk:
+    """One chunk's target states, packed forwards of at most ``pack_tokens`` tokens, kept on ``keep_on``."""
+    hid, aux = [], []
+    for group in pack(examples, pack_tokens):
+        h, a = target_states(target, group, want_aux)
+        hid.append(h.to(keep_on, dtype))
+        if want_aux:
+            aux.append(a.to(keep_on, dtype))
+        if progress is not None:
+            progress(h.shape[0])
+    lengths = torch.tensor([len(e.ids) for e in examples])
+    return Chunk(
+        torch.tensor([t for e in examples for t in e.ids]),
+        torch.tensor([m for e in examples for m in e.mask], dtype=torch.bool),
+        torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        torch.cat(hid),
+        torch.cat(aux) if want_aux else None,
+    )
 
 
 def load_chunk(path: Path) -> Chunk:

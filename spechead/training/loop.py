@@ -24,7 +24,8 @@ from spechead.model.drafter import Drafter, load_drafter
 from spechead.model.layers import Rotary
 from spechead.model.transformer import Transformer
 from spechead.training.config import TrainConfig, make_drafter
-from spechead.training.features import Chunk, feature_chunks, load_chunk
+from spechead.training.data import Example
+from spechead.training.features import Chunk, assign_chunks, chunk_states, feature_chunks, load_chunk
 from spechead.training.ttt import make_batch, run_ttt
 
 
@@ -68,21 +69,61 @@ def epoch_order(train: list[tuple[int, int, int]], seed: int, epoch: int) -> lis
     return out
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr."""
+def lr_at(step: int, total: int, cfg: TrainConfig, progress: float | None = None) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr over the steps, or over ``progress`` (the
+    fraction of a time budget spent) when the run is timed."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup)) if progress is None else min(1.0, progress)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 class ChunkCache:
+    """Cached feature chunks from disk, one in memory at a time."""
+
     def __init__(self, paths: list[Path]) -> None:
         self.paths, self.idx, self.chunk = paths, -1, None
 
     def get(self, c: int) -> Chunk:
         if c != self.idx:
             self.chunk, self.idx = load_chunk(self.paths[c]), c
+        return self.chunk
+
+
+class OnlineChunks(ChunkCache):
+    """Feature chunks computed by the target when a pack of them is first needed, never written: on a GPU the
+    target's forward costs less than storing its states (EAGLE-3's are 4 x d values a token) and reading them back.
+    The chunks are ``extract``'s, so the packs, their order and the held-out split are a cached run's."""
+
+    def __init__(self, target: Transformer, examples: list[Example], chunk_tokens: int, pack_tokens: int, aux: bool):
+        self.target, self.chunks, self.pack_tokens, self.aux = (
+            target,
+            assign_chunks(examples, chunk_tokens),
+            pack_tokens,
+            aux,
+        )
+        self.device = target.lm_head.weight.device
+        super().__init__([])
+        target.setup_cache(pack_tokens)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.target.config.hidden_size,
+            "vocab_size": self.target.config.vocab_size,
+            "aux": self.aux,
+            "chunks": len(self.chunks),
+            "examples": sum(len(c) for c in self.chunks),
+            "tokens": sum(len(e.ids) for c in self.chunks for e in c),
+            "lengths": [[len(e.ids) for e in c] for c in self.chunks],
+        }
+
+    def get(self, c: int) -> Chunk:
+        if c != self.idx:
+            self.chunk = None  # the previous chunk's states leave the device first
+            self.chunk = chunk_states(
+                self.target, self.chunks[c], self.aux, self.pack_tokens, torch.bfloat16, self.device
+            )
+            self.idx = c
         return self.chunk
 
 
@@ -96,7 +137,7 @@ def evaluate(drafter, target, cache: ChunkCache, held, cfg: TrainConfig, teacher
     acck = [[0, 0] for _ in range(n_steps)]
     ce = [[0.0, 0] for _ in range(n_steps)]
     for j, (c, lo, hi) in enumerate(held):
-        b = make_batch(cache.get(c), lo, hi)
+        b = make_batch(cache.get(c), lo, hi).to(target.lm_head.weight.device)
         out = run_ttt(drafter, target, b, cfg, torch.Generator().manual_seed(j), teacher, cfg.eval_positions)
         for i in range(n_steps):
             acc1[i][0] += out.top1[i][0]
@@ -168,17 +209,28 @@ def train(
     resume: bool = True,
     progress: bool = True,
     stop_after: int | None = None,
+    online: OnlineChunks | None = None,
+    max_minutes: float | None = None,
 ) -> dict[str, Any]:
-    """Train a drafter on cached features; returns the final metrics (also written to metrics.json).
+    """Train a drafter on cached features (or on ``online`` ones); returns the final metrics (also written to
+    metrics.json). The drafter trains on the target's device.
 
     ``stop_after`` ends this call after that many steps (checkpointed) without changing the schedule,
-    so a long run can be done in slots; rerunning resumes from the checkpoint.
+    so a long run can be done in slots; rerunning resumes from the checkpoint. ``max_minutes`` times the run
+    instead: the learning rate decays over the budget and the run ends, finished, when it is spent (a timed run
+    is not retraced by a resume: its schedule follows the clock).
     """
     from tqdm import tqdm
 
     dist = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-    paths, meta = ready_features(features)
+    if dist and max_minutes:
+        raise SpecheadError("a timed run (--max-minutes) is one process: each would stop at another step")
+    device = target.lm_head.weight.device
+    if online is not None:
+        paths, meta = [], online.meta()
+    else:
+        paths, meta = ready_features(features)
     if meta.get("hidden_size") != target.config.hidden_size or meta.get("vocab_size") != target.config.vocab_size:
         raise SpecheadError(f"features in {features} were extracted from another target")
     torch.manual_seed(cfg.seed)
@@ -188,10 +240,12 @@ def train(
         saved = load_drafter(out / "checkpoint", target).float()
         drafter.load_state_dict(saved.state_dict(), strict=False)
     unroll_ready(drafter)
+    drafter.to(device)
+    teacher = teacher.to(device) if teacher is not None else None
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     packs = plan_packs(meta["lengths"], cfg.pack_tokens)
-    train_packs, held = split_packs(packs, len(paths), cfg.eval_packs)
+    train_packs, held = split_packs(packs, len(meta["lengths"]), cfg.eval_packs)
     if not train_packs:
         raise SpecheadError("not enough data to train (every pack was held out)")
     per_epoch = len(train_packs) // world
@@ -202,21 +256,26 @@ def train(
         step, epoch, pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "train_log.jsonl").open("a") if rank == 0 else None
-    cache = ChunkCache(paths)
+    cache = online if online is not None else ChunkCache(paths)
+    budget_s = max_minutes * 60 if max_minutes else None
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.arch}", disable=not progress or rank, dynamic_ncols=True)
     t0, tokens_seen, ema = time.perf_counter(), 0, None
     order = epoch_order(train_packs, cfg.seed, epoch)
     end = total if stop_after is None else min(total, step + stop_after)
     while step < end:
+        progress = (time.perf_counter() - t0) / budget_s if budget_s else None
+        if progress is not None and progress >= 1:
+            total = end = step  # the time budget is spent: this is the run's last step
+            break
         if pos + world > len(order):
             epoch, pos = epoch + 1, 0
             order = epoch_order(train_packs, cfg.seed, epoch)
         c, lo, hi = order[pos + rank]
         pos += world
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
+            g["lr"] = lr_at(step, total, cfg, progress)
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * world + rank)
-        res = run_ttt(drafter, target, make_batch(cache.get(c), lo, hi), cfg, gen, teacher)
+        res = run_ttt(drafter, target, make_batch(cache.get(c), lo, hi).to(device), cfg, gen, teacher)
         opt.zero_grad(set_to_none=False)
         res.loss.backward()
         if dist:
@@ -233,7 +292,9 @@ def train(
         bar.update(1)
         if log and (step % cfg.log_every == 0 or step == total):
             rec = {"step": step, "epoch": epoch, "loss": loss, "loss_ema": ema, "ce": res.ce, "top1_0": acc}
-            rec.update(lr=lr_at(step - 1, total, cfg), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0))
+            rec.update(
+                lr=lr_at(step - 1, total, cfg, progress), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0)
+            )
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0 and held:

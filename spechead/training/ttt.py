@@ -91,6 +91,12 @@ class Batch:
     hidden: Tensor
     aux: Tensor | None
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The pack on ``device`` (a GPU trains on packs of a chunk kept in host memory)."""
+        aux = self.aux.to(device, non_blocking=True) if self.aux is not None else None
+        ids, mask, end = (t.to(device, non_blocking=True) for t in (self.ids, self.mask, self.end))
+        return Batch(ids, mask, end, self.lengths, self.hidden.to(device, non_blocking=True), aux)
+
 
 def make_batch(chunk: Chunk, lo: int, hi: int) -> Batch:
     sl = slice(int(chunk.starts[lo]), int(chunk.starts[hi]))
@@ -120,11 +126,13 @@ def run_ttt(
     ce_positions: int | None = None,
     states: list[Tensor] | None = None,
 ) -> StepOut:
-    """The loss of one pack, unrolled over ``cfg.n_steps`` steps (see the module docstring)."""
+    """The loss of one pack, unrolled over ``cfg.n_steps`` steps (see the module docstring). Runs on the pack's
+    device; ``gen`` is a CPU generator, so a seeded step draws the same noise and positions on any device."""
     n = b.ids.numel()
-    idx = torch.arange(n)
-    mask0 = block_causal_mask(b.lengths)
-    pos0 = packed_positions(b.lengths)
+    dev = b.ids.device
+    idx = torch.arange(n, device=dev)
+    mask0 = block_causal_mask(b.lengths, dev)
+    pos0 = packed_positions(b.lengths, dev)
     hidden = b.hidden.float()
     w_t = target.lm_head.weight
     eagle3 = isinstance(drafter, Eagle3Drafter)
@@ -136,9 +144,9 @@ def run_ttt(
         h = hidden
         if cfg.noise > 0 and drafter.training:
             rms = h.pow(2).mean(-1, keepdim=True).sqrt()
-            h = h + (torch.rand(h.shape, generator=gen) * 2 - 1) * cfg.noise * rms
+            h = h + (torch.rand(h.shape, generator=gen).to(dev) * 2 - 1) * cfg.noise * rms
     layer, past = drafter.layer, []
-    total = torch.zeros(())
+    total = torch.zeros((), device=dev)
     ce_log, top1, topk = [], [], []
     n_ce = ce_positions or cfg.ce_positions
     frozen = cfg.freeze_backbone
@@ -160,7 +168,7 @@ def run_ttt(
             if not eagle3:  # feature regression on every valid position
                 reg = F.smooth_l1_loss(out[rows], hidden[src[rows]])
                 total = total + weight * reg
-            pick = rows[torch.randperm(rows.numel(), generator=gen)[:n_ce]]
+            pick = rows[torch.randperm(rows.numel(), generator=gen)[:n_ce].to(dev)]
             head_in = drafter.head_input(out[pick])
             logits = draft_logits(drafter, target, head_in).float()
             with torch.no_grad():
