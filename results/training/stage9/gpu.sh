@@ -44,8 +44,10 @@ wait
 stamp trained
 for r in e2 e3 lr72; do echo "== $r"; tail -c 1500 $W/$r.log; done
 cp $W/greedy.jsonl.manifest.json $W/gen_data_manifest.json 2>/dev/null
-gzip -kf $W/greedy.jsonl
-(cd $W && tar cf $W/stage9.tar gen_data_manifest.json greedy.jsonl.gz */metrics.json */train_log.jsonl */model.safetensors \
-  */config.json *.log 2>/dev/null; ls -la $W/stage9.tar)
+(cd $W && tar cf $W/stage9.tar gen_data_manifest.json */metrics.json */train_log.jsonl */model.safetensors */config.json \
+  *.log 2>/dev/null; ls -la $W/stage9.tar)
 split -b 15m -d $W/stage9.tar $OUT/stage9.tar.
+gzip -6 -c $W/greedy.jsonl > $W/greedy.jsonl.gz; ls -la $W/greedy.jsonl.gz
+# the replies come back too where they fit beside the drafters (64 MiB a call)
+[ $(stat -c %s $W/greedy.jsonl.gz) -le 25000000 ] && split -b 15m -d $W/greedy.jsonl.gz $OUT/greedy.jsonl.gz.
 stamp done
