@@ -25,7 +25,7 @@ from spechead.model.tokenizer import load_tokenizer
 from spechead.training.config import TrainConfig, make_drafter
 from spechead.training.data import load_examples
 from spechead.training.features import extract_features, load_chunk
-from spechead.training.loop import ChunkCache, evaluate, plan_packs, split_packs, train
+from spechead.training.loop import ChunkCache, OnlineChunks, evaluate, lr_at, plan_packs, split_packs, train
 from spechead.training.ttt import make_batch, run_ttt
 
 WORDS = ["the cat sat", "on the mat", "a dog ran", "to the park", "i like tea", "we go home"]
@@ -179,6 +179,72 @@ def test_posthoc_lowrank_distillation_trains_only_the_head(setup, tmp_path):
             torch.testing.assert_close(v, before[k])
     start, teacher = make_drafter(target, cfg, init=str(tmp_path / "e3" / "checkpoint"))
     assert m["eval"]["ce"][0] < _held_out(target, feats, cfg, start, teacher)["ce"][0]
+    # the SlimSpec way instead: the low-rank head learns the target's distribution with the backbone, no teacher
+    joint = TrainConfig(arch="eagle3", head="lowrank:4", lowrank_teacher="target")
+    drafter, teacher = make_drafter(target, joint, init=str(tmp_path / "e3" / "checkpoint"))
+    assert teacher is None and drafter.low_rank_head is not None
+
+
+def _setup_examples(folder, data):
+    examples = load_examples(load_tokenizer(folder), [data], max_len=128)
+    return examples, sum(len(e.ids) for e in examples[:20])  # the fixture's chunking: two chunks
+
+
+def test_online_features_train_as_cached_ones(setup, tmp_path):
+    """``--online`` computes extract's chunks when training needs them: the same packs, order and held-out split,
+    the same states, so the same run ends with the same weights and held-out figures as on cached features."""
+    folder, target, data, feats = setup
+    examples, chunk_tokens = _setup_examples(folder, data)
+    cfg = TrainConfig(arch="eagle3", steps_ttt=2, max_steps=6, warmup=2, lr=1e-2, pack_tokens=256)
+    cached = train(target, feats, tmp_path / "cached", cfg, progress=False)
+    online = train(
+        target,
+        None,
+        tmp_path / "online",
+        cfg,
+        progress=False,
+        online=OnlineChunks(target, examples, chunk_tokens, 512, True),
+    )
+    assert online["param_checksum"] == cached["param_checksum"]
+    assert online["eval"] == cached["eval"]
+    assert online["features"]["tokens"] == json.loads((feats / "meta.json").read_text())["tokens"]
+
+
+def test_a_timed_run_decays_over_the_clock_and_ends_with_a_drafter(setup, tmp_path):
+    folder, target, data, _ = setup
+    examples, chunk_tokens = _setup_examples(folder, data)
+    cfg = TrainConfig(arch="eagle2", epochs=1000, warmup=1, pack_tokens=256, log_every=1)
+    assert (
+        lr_at(5, 10**6, cfg, progress=0.0) == cfg.lr and lr_at(5, 10**6, cfg, progress=1.0) == cfg.lr * cfg.min_lr_ratio
+    )
+    online = OnlineChunks(target, examples, chunk_tokens, 512, False)
+    m = train(target, None, tmp_path / "timed", cfg, progress=False, online=online, max_minutes=0.03)
+    assert 1 <= m["steps"] < 1000 and "eval" in m  # stopped by the clock, finished: evaluated and saved
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "timed" / "train_log.jsonl").read_text().splitlines()]
+    assert lrs[-1] < max(lrs) or len(lrs) == 1
+    assert load_drafter(tmp_path / "timed", target).arch == "eagle2"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_online_training_on_a_gpu(setup, tmp_path):
+    """The device path (CPU machines skip it): online states on the GPU, the drafter trained there loads on the CPU."""
+    folder, _, data, feats = setup
+    examples, chunk_tokens = _setup_examples(folder, data)
+    gpu_target, _ = load_target(str(folder), device="cuda")
+    cfg = TrainConfig(arch="eagle3", steps_ttt=2, max_steps=6, warmup=2, lr=1e-2, pack_tokens=256)
+    m = train(
+        gpu_target,
+        None,
+        tmp_path / "gpu",
+        cfg,
+        progress=False,
+        online=OnlineChunks(gpu_target, examples, chunk_tokens, 512, True),
+    )
+    assert m["steps"] == 6
+    target = setup[1]
+    untrained = _held_out(target, feats, cfg, make_drafter(target, cfg)[0])
+    trained = _held_out(target, feats, cfg, load_drafter(tmp_path / "gpu", target).float())
+    assert trained["ce"][0] < untrained["ce"][0]
 
 
 def test_bad_training_input(setup, tmp_path, capsys):
