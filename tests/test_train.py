@@ -210,19 +210,27 @@ def test_online_features_train_as_cached_ones(setup, tmp_path):
     assert online["features"]["tokens"] == json.loads((feats / "meta.json").read_text())["tokens"]
 
 
-def test_a_timed_run_decays_over_the_clock_and_ends_with_a_drafter(setup, tmp_path):
+def test_a_timed_run_decays_over_the_clock_ends_finished_and_stays_finished(setup, tmp_path):
     folder, target, data, _ = setup
     examples, chunk_tokens = _setup_examples(folder, data)
-    cfg = TrainConfig(arch="eagle2", epochs=1000, warmup=1, pack_tokens=256, log_every=1)
-    assert (
-        lr_at(5, 10**6, cfg, progress=0.0) == cfg.lr and lr_at(5, 10**6, cfg, progress=1.0) == cfg.lr * cfg.min_lr_ratio
-    )
+    cfg = TrainConfig(arch="eagle2", warmup=1, pack_tokens=256, log_every=1, save_every=10**6)
+    assert lr_at(5, 10**6, cfg, 0.0) == cfg.lr and lr_at(5, 10**6, cfg, 1.0) == cfg.lr * cfg.min_lr_ratio
     online = OnlineChunks(target, examples, chunk_tokens, 512, False)
-    m = train(target, None, tmp_path / "timed", cfg, progress=False, online=online, max_minutes=0.03)
-    assert 1 <= m["steps"] < 1000 and "eval" in m  # stopped by the clock, finished: evaluated and saved
-    lrs = [json.loads(line)["lr"] for line in (tmp_path / "timed" / "train_log.jsonl").read_text().splitlines()]
-    assert lrs[-1] < max(lrs) or len(lrs) == 1
-    assert load_drafter(tmp_path / "timed", target).arch == "eagle2"
+    m = train(target, None, tmp_path / "timed", cfg, progress=False, online=online, max_minutes=0.05)
+    lengths = online.meta()["lengths"]
+    one_epoch = len(split_packs(plan_packs(lengths, 256), len(lengths), cfg.eval_packs)[0])
+    assert m["steps"] > one_epoch  # the clock, not the one epoch an untimed run would take, ended it
+    log = [json.loads(line) for line in (tmp_path / "timed" / "train_log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in log if "lr" in r]
+    assert log[-1]["stopped"] == "time budget spent" and log[-1]["step"] == m["steps"]
+    assert lrs[-1] < 0.35 * cfg.lr < max(lrs)  # the cosine ran over the budget, down to near its floor
+    saved = load_drafter(tmp_path / "timed", target).state_dict()
+    again = train(target, None, tmp_path / "timed", cfg, progress=False, online=online, max_minutes=0.05)
+    assert again["steps"] == m["steps"]  # finished: a rerun resumes to the end and trains nothing more
+    for k, v in load_drafter(tmp_path / "timed", target).state_dict().items():
+        torch.testing.assert_close(v, saved[k])
+    with pytest.raises(SpecheadError, match="nothing to train on"):
+        train(target, None, tmp_path / "none", cfg, progress=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")

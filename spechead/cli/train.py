@@ -19,6 +19,7 @@ from spechead.training.loop import OnlineChunks, train
 
 
 def cmd_gen_data(args) -> int:
+    checked_device(args.device)
     n = generate_data(
         args.target,
         args.data,
@@ -117,6 +118,8 @@ def cmd_train(args) -> int:
     if args.online:
         if not args.data:
             raise SpecheadError("--online computes the features from --data FILES; pass them")
+        if args.features:
+            raise SpecheadError("--online computes the features as it trains; --features names a cached folder")
         model, folder = load_target(args.target, device=device)
         ctx = model.config.max_position_embeddings
         examples = load_examples(load_tokenizer(folder), args.data, max_len=min(args.max_len, ctx), seed=args.seed)
@@ -154,19 +157,25 @@ def cmd_train(args) -> int:
     return 0
 
 
-def accelerator(name: str) -> torch.device:
-    """The device to run the target and the drafter on; on a GPU, float32 matrix products use its TF32 units
-    (training data and gradients, never decoding)."""
+def checked_device(name: str) -> torch.device:
+    """``--device``: cpu, or a CUDA device torch can see."""
     try:
         device = torch.device(name)
     except RuntimeError:
         raise SpecheadError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SpecheadError("--device cuda: no CUDA device is visible to torch")
-        torch.backends.cuda.matmul.allow_tf32 = True
-    elif device.type != "cpu":
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecheadError("--device cuda: no CUDA device is visible to torch")
+    if device.type not in ("cpu", "cuda"):
         raise SpecheadError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def accelerator(name: str) -> torch.device:
+    """The device to train on; on a GPU float32 matrix products use its TF32 units (the target's states and the
+    drafter's gradients in training only: generation and decoding keep full float32)."""
+    device = checked_device(name)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     return device
 
 

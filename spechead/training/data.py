@@ -273,6 +273,7 @@ def generate_data(
         "dtype": dtype,
         "engine": engine,
         "prompts": len(prompts),
+        **({"device": device} if device != "cpu" else {}),  # a CPU run's manifest reads as before
     }
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     if manifest is not None and manifest.get("settings", {}).get("engine") is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,7 +170,7 @@ def chunk_states(
     pack_tokens: int,
     dtype: torch.dtype,
     keep_on: torch.device,
-    progress=None,
+    progress: Callable[[int], object] | None = None,
 ) -> Chunk:
     """One chunk's target states, packed forwards of at most ``pack_tokens`` tokens, kept on ``keep_on``."""
     hid, aux = [], []

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -95,13 +96,11 @@ class OnlineChunks(ChunkCache):
     target's forward costs less than storing its states (EAGLE-3's are 4 x d values a token) and reading them back.
     The chunks are ``extract``'s, so the packs, their order and the held-out split are a cached run's."""
 
-    def __init__(self, target: Transformer, examples: list[Example], chunk_tokens: int, pack_tokens: int, aux: bool):
-        self.target, self.chunks, self.pack_tokens, self.aux = (
-            target,
-            assign_chunks(examples, chunk_tokens),
-            pack_tokens,
-            aux,
-        )
+    def __init__(
+        self, target: Transformer, examples: list[Example], chunk_tokens: int, pack_tokens: int, aux: bool
+    ) -> None:
+        self.target, self.pack_tokens, self.aux = target, pack_tokens, aux
+        self.chunks = assign_chunks(examples, chunk_tokens)
         self.device = target.lm_head.weight.device
         super().__init__([])
         target.setup_cache(pack_tokens)
@@ -114,6 +113,8 @@ class OnlineChunks(ChunkCache):
             "chunks": len(self.chunks),
             "examples": sum(len(c) for c in self.chunks),
             "tokens": sum(len(e.ids) for c in self.chunks for e in c),
+            "targets": sum(sum(e.mask) for c in self.chunks for e in c),
+            "data": "online",
             "lengths": [[len(e.ids) for e in c] for c in self.chunks],
         }
 
@@ -202,7 +203,7 @@ def unroll_ready(drafter: Drafter) -> None:
 
 def train(
     target: Transformer,
-    features: Path,
+    features: Path | None,
     out: Path,
     cfg: TrainConfig,
     init: str | None = None,
@@ -217,8 +218,10 @@ def train(
 
     ``stop_after`` ends this call after that many steps (checkpointed) without changing the schedule,
     so a long run can be done in slots; rerunning resumes from the checkpoint. ``max_minutes`` times the run
-    instead: the learning rate decays over the budget and the run ends, finished, when it is spent (a timed run
-    is not retraced by a resume: its schedule follows the clock).
+    instead: the learning rate decays over the budget (the step total then counts only if ``cfg.max_steps`` sets
+    one) and the run ends, checkpointed, evaluated and saved, when it is spent; a resumed timed run continues the
+    clock from its checkpoint (rerun with the same budget, a finished one trains nothing more; the steps a resumed
+    run takes differ from an uninterrupted run's).
     """
     from tqdm import tqdm
 
@@ -228,7 +231,11 @@ def train(
         raise SpecheadError("a timed run (--max-minutes) is one process: each would stop at another step")
     device = target.lm_head.weight.device
     if online is not None:
+        if online.target is not target:
+            raise SpecheadError("online features must come from the target being trained against")
         paths, meta = [], online.meta()
+    elif features is None:
+        raise SpecheadError("nothing to train on: give a features folder or online features")
     else:
         paths, meta = ready_features(features)
     if meta.get("hidden_size") != target.config.hidden_size or meta.get("vocab_size") != target.config.vocab_size:
@@ -249,23 +256,36 @@ def train(
     if not train_packs:
         raise SpecheadError("not enough data to train (every pack was held out)")
     per_epoch = len(train_packs) // world
-    total = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
-    step, epoch, pos = 0, 0, 0
+    budget_s = max_minutes * 60 if max_minutes else None
+    total = cfg.max_steps or (sys.maxsize if budget_s else max(1, int(math.ceil(per_epoch * cfg.epochs))))
+    step, epoch, pos, spent_s = 0, 0, 0, 0.0
     if ck_state is not None:
         opt.load_state_dict(ck_state["optimizer"])
         step, epoch, pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
+        spent_s = ck_state.get("elapsed_s", 0.0) if budget_s else 0.0  # a spent budget: nothing left to train
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "train_log.jsonl").open("a") if rank == 0 else None
     cache = online if online is not None else ChunkCache(paths)
-    budget_s = max_minutes * 60 if max_minutes else None
-    bar = tqdm(total=total, initial=step, desc=f"train {cfg.arch}", disable=not progress or rank, dynamic_ncols=True)
+    bar = tqdm(
+        total=None if total == sys.maxsize else total,
+        initial=step,
+        desc=f"train {cfg.arch}",
+        disable=not progress or rank,
+        dynamic_ncols=True,
+    )
     t0, tokens_seen, ema = time.perf_counter(), 0, None
+    clock0 = t0 - spent_s  # a timed run's clock, continued across resumes
     order = epoch_order(train_packs, cfg.seed, epoch)
     end = total if stop_after is None else min(total, step + stop_after)
     while step < end:
-        progress = (time.perf_counter() - t0) / budget_s if budget_s else None
-        if progress is not None and progress >= 1:
-            total = end = step  # the time budget is spent: this is the run's last step
+        spent = (time.perf_counter() - clock0) / budget_s if budget_s else None
+        if spent is not None and spent >= 1:  # the time budget is spent: the run ends here, finished
+            total = end = step
+            if rank == 0:
+                log.write(json.dumps({"step": step, "stopped": "time budget spent", "elapsed_s": _elapsed(clock0)}))
+                log.write("\n")
+                state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
+                save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
             break
         if pos + world > len(order):
             epoch, pos = epoch + 1, 0
@@ -273,7 +293,7 @@ def train(
         c, lo, hi = order[pos + rank]
         pos += world
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg, progress)
+            g["lr"] = lr_at(step, total, cfg, spent)
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * world + rank)
         res = run_ttt(drafter, target, make_batch(cache.get(c), lo, hi).to(device), cfg, gen, teacher)
         opt.zero_grad(set_to_none=False)
@@ -293,7 +313,7 @@ def train(
         if log and (step % cfg.log_every == 0 or step == total):
             rec = {"step": step, "epoch": epoch, "loss": loss, "loss_ema": ema, "ce": res.ce, "top1_0": acc}
             rec.update(
-                lr=lr_at(step - 1, total, cfg, progress), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0)
+                lr=lr_at(step - 1, total, cfg, spent), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0)
             )
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -302,7 +322,8 @@ def train(
             log.write(json.dumps({"step": step, "eval": ev}) + "\n")
             log.flush()
         if rank == 0 and (step % cfg.save_every == 0 or step == end):
-            save_checkpoint(out, drafter, opt, {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)})
+            state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
+            save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
     bar.close()
     if step < total:  # stopped early on purpose: the checkpoint is the state
         if log:

@@ -92,7 +92,7 @@ class Batch:
     aux: Tensor | None
 
     def to(self, device: torch.device | str) -> Batch:
-        """The pack on ``device`` (a GPU trains on packs of a chunk kept in host memory)."""
+        """The pack on ``device`` (a no-op for what is there already, as online chunks' states are)."""
         aux = self.aux.to(device, non_blocking=True) if self.aux is not None else None
         ids, mask, end = (t.to(device, non_blocking=True) for t in (self.ids, self.mask, self.end))
         return Batch(ids, mask, end, self.lengths, self.hidden.to(device, non_blocking=True), aux)
