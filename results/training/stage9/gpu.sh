@@ -4,7 +4,7 @@
 # then three drafters trained at once for TRAIN_MIN minutes each on the target's states computed on the fly
 # (`train-drafter --online`): EAGLE-2 and EAGLE-3 from the shipped weights, and the rank-72 SlimSpec drafter from
 # the shipped EAGLE-3 backbone with the SVD of the target's head, trained against the target's distribution.
-# Everything that is not in the repository travels in .gpu/ (the target's GGUF, the shipped EAGLE-3 weights, the
+# Everything that is not in the repository travels in .gpu/ (ignored) (the target's GGUF, the shipped EAGLE-3 weights, the
 # prompts; see run.sh). What comes back: one tar, split in 15 MiB parts, and the log.
 #   bash results/training/stage9/gpu.sh OUTDIR        (DEV=cpu with small GEN_S / TRAIN_MIN / BATCH to rehearse)
 set -uo pipefail
