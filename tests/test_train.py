@@ -190,21 +190,20 @@ def _setup_examples(folder, data):
     return examples, sum(len(e.ids) for e in examples[:20])  # the fixture's chunking: two chunks
 
 
+def _train_online(target, folder, data, out, cfg):
+    """``train`` on the fixture's chunks computed online by ``target`` (with EAGLE-3 states for eagle3)."""
+    examples, chunk_tokens = _setup_examples(folder, data)
+    online = OnlineChunks(target, examples, chunk_tokens, 512, cfg.arch == "eagle3")
+    return train(target, None, out, cfg, progress=False, online=online)
+
+
 def test_online_features_train_as_cached_ones(setup, tmp_path):
     """``--online`` computes extract's chunks when training needs them: the same packs, order and held-out split,
     the same states, so the same run ends with the same weights and held-out figures as on cached features."""
     folder, target, data, feats = setup
-    examples, chunk_tokens = _setup_examples(folder, data)
     cfg = TrainConfig(arch="eagle3", steps_ttt=2, max_steps=6, warmup=2, lr=1e-2, pack_tokens=256)
     cached = train(target, feats, tmp_path / "cached", cfg, progress=False)
-    online = train(
-        target,
-        None,
-        tmp_path / "online",
-        cfg,
-        progress=False,
-        online=OnlineChunks(target, examples, chunk_tokens, 512, True),
-    )
+    online = _train_online(target, folder, data, tmp_path / "online", cfg)
     assert online["param_checksum"] == cached["param_checksum"]
     assert online["eval"] == cached["eval"]
     assert online["features"]["tokens"] == json.loads((feats / "meta.json").read_text())["tokens"]
@@ -237,17 +236,9 @@ def test_a_timed_run_decays_over_the_clock_ends_finished_and_stays_finished(setu
 def test_online_training_on_a_gpu(setup, tmp_path):
     """The device path (CPU machines skip it): online states on the GPU, the drafter trained there loads on the CPU."""
     folder, _, data, feats = setup
-    examples, chunk_tokens = _setup_examples(folder, data)
     gpu_target, _ = load_target(str(folder), device="cuda")
     cfg = TrainConfig(arch="eagle3", steps_ttt=2, max_steps=6, warmup=2, lr=1e-2, pack_tokens=256)
-    m = train(
-        gpu_target,
-        None,
-        tmp_path / "gpu",
-        cfg,
-        progress=False,
-        online=OnlineChunks(gpu_target, examples, chunk_tokens, 512, True),
-    )
+    m = _train_online(gpu_target, folder, data, tmp_path / "gpu", cfg)
     assert m["steps"] == 6
     target = setup[1]
     untrained = _held_out(target, feats, cfg, make_drafter(target, cfg)[0])

@@ -11,11 +11,10 @@ import torch
 from spechead.cli.args import add_target, add_threads, set_threads
 from spechead.errors import SpecheadError
 from spechead.model.loading import load_target
-from spechead.model.tokenizer import load_tokenizer
 from spechead.training.config import TrainConfig
-from spechead.training.data import GEN_ENGINES, generate_data, load_examples
-from spechead.training.extract import extract_to
-from spechead.training.loop import OnlineChunks, train
+from spechead.training.data import GEN_ENGINES, generate_data
+from spechead.training.extract import extract_to, online_features
+from spechead.training.loop import train
 
 
 def cmd_gen_data(args) -> int:
@@ -120,11 +119,8 @@ def cmd_train(args) -> int:
             raise SpecheadError("--online computes the features from --data FILES; pass them")
         if args.features:
             raise SpecheadError("--online computes the features as it trains; --features names a cached folder")
-        model, folder = load_target(args.target, device=device)
-        ctx = model.config.max_position_embeddings
-        examples = load_examples(load_tokenizer(folder), args.data, max_len=min(args.max_len, ctx), seed=args.seed)
-        pack = min(max(2048, args.max_len), ctx)
-        online = OnlineChunks(model, examples, args.chunk_tokens, pack, args.arch == "eagle3")
+        online = online_features(args.target, args.data, args.arch, args.max_len, args.seed, args.chunk_tokens, device)
+        model = online.target
     elif args.data:
         model = extract_to(args.target, args.data, features, args.arch, args.max_len, args.seed, args.chunk_tokens)
         model = model.to(device)

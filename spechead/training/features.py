@@ -108,17 +108,7 @@ def extract_features(
         raise SpecheadError("no examples to extract features from")
     out.mkdir(parents=True, exist_ok=True)
     chunks = assign_chunks(examples, chunk_tokens)
-    info = {
-        "hidden_size": target.config.hidden_size,
-        "vocab_size": target.config.vocab_size,
-        "aux": want_aux,
-        "chunks": len(chunks),
-        "examples": len(examples),
-        "tokens": sum(len(e.ids) for e in examples),
-        "targets": sum(sum(e.mask) for e in examples),
-        "lengths": [[len(e.ids) for e in c] for c in chunks],
-        **(meta or {}),
-    }
+    info = {**chunks_meta(target, chunks, want_aux), **(meta or {})}
     meta_path = out / "meta.json"
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
@@ -161,6 +151,20 @@ def assign_chunks(examples: list[Example], chunk_tokens: int) -> list[list[Examp
         chunks[-1].append(ex)
         size += len(ex.ids)
     return chunks
+
+
+def chunks_meta(target: Transformer, chunks: list[list[Example]], want_aux: bool) -> dict:
+    """What a chunk plan holds (``meta.json`` of cached features; online features describe themselves alike)."""
+    return {
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+        "aux": want_aux,
+        "chunks": len(chunks),
+        "examples": sum(len(c) for c in chunks),
+        "tokens": sum(len(e.ids) for c in chunks for e in c),
+        "targets": sum(sum(e.mask) for c in chunks for e in c),
+        "lengths": [[len(e.ids) for e in c] for c in chunks],
+    }
 
 
 def chunk_states(

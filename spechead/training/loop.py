@@ -26,7 +26,7 @@ from spechead.model.layers import Rotary
 from spechead.model.transformer import Transformer
 from spechead.training.config import TrainConfig, make_drafter
 from spechead.training.data import Example
-from spechead.training.features import Chunk, assign_chunks, chunk_states, feature_chunks, load_chunk
+from spechead.training.features import Chunk, assign_chunks, chunk_states, chunks_meta, feature_chunks, load_chunk
 from spechead.training.ttt import make_batch, run_ttt
 
 
@@ -106,17 +106,7 @@ class OnlineChunks(ChunkCache):
         target.setup_cache(pack_tokens)
 
     def meta(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.target.config.hidden_size,
-            "vocab_size": self.target.config.vocab_size,
-            "aux": self.aux,
-            "chunks": len(self.chunks),
-            "examples": sum(len(c) for c in self.chunks),
-            "tokens": sum(len(e.ids) for c in self.chunks for e in c),
-            "targets": sum(sum(e.mask) for c in self.chunks for e in c),
-            "data": "online",
-            "lengths": [[len(e.ids) for e in c] for c in self.chunks],
-        }
+        return {**chunks_meta(self.target, self.chunks, self.aux), "data": "online"}
 
     def get(self, c: int) -> Chunk:
         if c != self.idx:
@@ -275,6 +265,11 @@ def train(
     )
     t0, tokens_seen, ema = time.perf_counter(), 0, None
     clock0 = t0 - spent_s  # a timed run's clock, continued across resumes
+
+    def checkpoint() -> None:
+        state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
+        save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
+
     order = epoch_order(train_packs, cfg.seed, epoch)
     end = total if stop_after is None else min(total, step + stop_after)
     while step < end:
@@ -282,10 +277,9 @@ def train(
         if spent is not None and spent >= 1:  # the time budget is spent: the run ends here, finished
             total = end = step
             if rank == 0:
-                log.write(json.dumps({"step": step, "stopped": "time budget spent", "elapsed_s": _elapsed(clock0)}))
-                log.write("\n")
-                state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
-                save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
+                stop = {"step": step, "stopped": "time budget spent", "elapsed_s": _elapsed(clock0)}
+                log.write(json.dumps(stop) + "\n")
+                checkpoint()
             break
         if pos + world > len(order):
             epoch, pos = epoch + 1, 0
@@ -322,8 +316,7 @@ def train(
             log.write(json.dumps({"step": step, "eval": ev}) + "\n")
             log.flush()
         if rank == 0 and (step % cfg.save_every == 0 or step == end):
-            state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
-            save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
+            checkpoint()
     bar.close()
     if step < total:  # stopped early on purpose: the checkpoint is the state
         if log:
