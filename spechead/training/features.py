@@ -42,13 +42,13 @@ class Chunk:
 
 def block_causal_mask(lengths: list[int], device: torch.device | None = None) -> Tensor:
     """Bool [T, T]: each token sees the earlier tokens of its own example only."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    idx = torch.arange(seg.numel(), device=device)
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device, non_blocking=True)
+    idx = torch.arange(seg.numel(), device=device)  # the segments are made on the host: no wait for a GPU
     return (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
 
 
 def packed_positions(lengths: list[int], device: torch.device | None = None) -> Tensor:
-    return torch.cat([torch.arange(n, device=device) for n in lengths])
+    return torch.cat([torch.arange(n) for n in lengths]).to(device, non_blocking=True)
 
 
 def pack(examples: list[Example], pack_tokens: int) -> Iterator[list[Example]]:

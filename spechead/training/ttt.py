@@ -92,10 +92,11 @@ class Batch:
     aux: Tensor | None
 
     def to(self, device: torch.device | str) -> Batch:
-        """The pack on ``device`` (a no-op for what is there already, as online chunks' states are)."""
+        """The pack's states on ``device`` (a no-op for what is there already, as online chunks' states are).
+        Token ids, loss mask and ends stay on the host: ``run_ttt`` plans its indices there, so that an unroll on
+        a GPU never waits for the device to learn how many positions a step has."""
         aux = self.aux.to(device, non_blocking=True) if self.aux is not None else None
-        ids, mask, end = (t.to(device, non_blocking=True) for t in (self.ids, self.mask, self.end))
-        return Batch(ids, mask, end, self.lengths, self.hidden.to(device, non_blocking=True), aux)
+        return Batch(self.ids, self.mask, self.end, self.lengths, self.hidden.to(device, non_blocking=True), aux)
 
 
 def make_batch(chunk: Chunk, lo: int, hi: int) -> Batch:
@@ -129,10 +130,11 @@ def run_ttt(
     """The loss of one pack, unrolled over ``cfg.n_steps`` steps (see the module docstring). Runs on the pack's
     device; ``gen`` is a CPU generator, so a seeded step draws the same noise and positions on any device."""
     n = b.ids.numel()
-    dev = b.ids.device
-    idx = torch.arange(n, device=dev)
+    dev = b.hidden.device
+    ids, end, lmask = b.ids.cpu(), b.end.cpu(), b.mask.cpu()
+    idx = torch.arange(n)
     mask0 = block_causal_mask(b.lengths, dev)
-    pos0 = packed_positions(b.lengths, dev)
+    pos0 = packed_positions(b.lengths).to(dev, non_blocking=True)
     hidden = b.hidden.float()
     w_t = target.lm_head.weight
     eagle3 = isinstance(drafter, Eagle3Drafter)
@@ -144,17 +146,18 @@ def run_ttt(
         h = hidden
         if cfg.noise > 0 and drafter.training:
             rms = h.pow(2).mean(-1, keepdim=True).sqrt()
-            h = h + (torch.rand(h.shape, generator=gen).to(dev) * 2 - 1) * cfg.noise * rms
+            h = h + (torch.rand(h.shape, generator=gen).to(dev, non_blocking=True) * 2 - 1) * cfg.noise * rms
     layer, past = drafter.layer, []
     total = torch.zeros((), device=dev)
-    ce_log, top1, topk = [], [], []
+    stats: list[Tensor] = []  # per step: top-1 hits, top-k hits, cross-entropy (read once, at the end)
+    counts: list[int] = []
     n_ce = ce_positions or cfg.ce_positions
     frozen = cfg.freeze_backbone
     for i in range(cfg.n_steps):
         src = idx + 1 + i  # input token index
         tgt = idx + 2 + i  # predicted token index
-        tok = b.ids[src.clamp_max(n - 1)]
-        valid = (tgt < b.end) & (b.mask[tgt.clamp_max(n - 1)] | (cfg.all_positions and drafter.training))
+        tok = ids[src.clamp_max(n - 1)].to(dev, non_blocking=True)
+        valid = (tgt < end) & (lmask[tgt.clamp_max(n - 1)] | (cfg.all_positions and drafter.training))
         cos, sin = drafter.rotary(pos0 + i)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
             resid, x = _layer_input(drafter, tok, h)
@@ -166,26 +169,30 @@ def run_ttt(
         weight = cfg.step_decay**i
         if rows.numel():
             if not eagle3:  # feature regression on every valid position
-                reg = F.smooth_l1_loss(out[rows], hidden[src[rows]])
+                at = rows.to(dev, non_blocking=True)
+                reg = F.smooth_l1_loss(out[at], hidden[src[rows].to(dev, non_blocking=True)])
                 total = total + weight * reg
-            pick = rows[torch.randperm(rows.numel(), generator=gen)[:n_ce].to(dev)]
+            pick_h = rows[torch.randperm(rows.numel(), generator=gen)[:n_ce]]
+            pick = pick_h.to(dev, non_blocking=True)
             head_in = drafter.head_input(out[pick])
             logits = draft_logits(drafter, target, head_in).float()
             with torch.no_grad():
-                feat_next = hidden[src[pick]]
+                feat_next = hidden[src[pick_h].to(dev, non_blocking=True)]
                 t_logits = (drafter.head_input(out[pick]) @ teacher.T) if teacher is not None else feat_next @ w_t.T
                 p = torch.softmax(t_logits.float(), -1)
             ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
             total = total + weight * (cfg.ce_weight if not eagle3 and teacher is None else 1.0) * ce
             with torch.no_grad():
                 ref = p.argmax(-1)
-                top1.append((int((logits.argmax(-1) == ref).sum()), int(pick.numel())))
                 kk = logits.topk(min(cfg.topk, logits.shape[-1]), -1).indices
-                topk.append((int((kk == ref[:, None]).any(-1).sum()), int(pick.numel())))
-                ce_log.append(float(ce))
+                hits1 = (logits.argmax(-1) == ref).sum()
+                stats.append(torch.stack([hits1.double(), (kk == ref[:, None]).any(-1).sum().double(), ce.double()]))
+            counts.append(int(pick_h.numel()))
         else:
-            top1.append((0, 0))
-            topk.append((0, 0))
-            ce_log.append(float("nan"))
+            stats.append(torch.tensor([0.0, 0.0, float("nan")], dtype=torch.float64, device=dev))
+            counts.append(0)
         h = out
-    return StepOut(total, ce_log, top1, topk, n)
+    got = torch.stack(stats).tolist()  # the one wait for the device, after the whole unroll is queued
+    top1 = [(int(s[0]), c) for s, c in zip(got, counts, strict=True)]
+    topk = [(int(s[1]), c) for s, c in zip(got, counts, strict=True)]
+    return StepOut(total, [s[2] for s in got], top1, topk, n)
