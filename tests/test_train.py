@@ -232,6 +232,28 @@ def test_a_timed_run_decays_over_the_clock_ends_finished_and_stays_finished(setu
         train(target, None, tmp_path / "none", cfg, progress=False)
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_extract_on_a_device(setup, tmp_path, device):
+    """``spechead extract --device``: the target runs there (once for every drafter that trains on the chunks), the
+    chunks are the fixture's, in host memory; on the CPU bitwise, on a GPU within bf16 rounding of the CPU's states."""
+    folder, _, data, feats = setup
+    total = sum(len(e.ids) for e in load_examples(load_tokenizer(folder), [data], max_len=128)[:20])
+    out = tmp_path / "feats"
+    args = ["extract", "--target", str(folder), "--data", str(data), "--features", str(out), "--arch", "eagle3"]
+    args += ["--max-len", "128"]
+    assert cli_main([*args, "--chunk-tokens", str(total), "--pack-tokens", "512", "--device", device]) == 0
+    want, got = sorted(feats.glob("chunk_*.pt")), sorted(out.glob("chunk_*.pt"))
+    assert [p.name for p in got] == [p.name for p in want] and len(got) == 2
+    for a, b in zip(want, got, strict=True):
+        ca, cb = load_chunk(a), load_chunk(b)
+        assert torch.equal(ca.ids, cb.ids) and torch.equal(ca.starts, cb.starts) and cb.hidden.device.type == "cpu"
+        tol = {} if device == "cpu" else {"atol": 0.05, "rtol": 0.02}
+        torch.testing.assert_close(cb.hidden.float(), ca.hidden.float(), **(tol or {"atol": 0, "rtol": 0}))
+        torch.testing.assert_close(cb.aux.float(), ca.aux.float(), **(tol or {"atol": 0, "rtol": 0}))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_online_training_on_a_gpu(setup, tmp_path):
     """The device path (CPU machines skip it): online states on the GPU, the drafter trained there loads on the CPU."""

@@ -2,7 +2,7 @@
 
 1. Lossless decoding on the GPU: a tiny random Llama target and random EAGLE-2 / EAGLE-3 drafters on the device,
    every draft head, a tree with the lookup branch: speculative greedy output equals the device's own AR output.
-2. Drafter training there: the skip-on-CPU test of ``train-drafter --online`` on the device.
+2. Drafter training there: the skip-on-CPU tests of ``train-drafter --online`` and ``extract --device`` on the device.
 
     python results/gpu/check.py --device cuda      (about a minute; --device cpu rehearses it anywhere)
 """
@@ -66,8 +66,8 @@ def main() -> None:
         sys.exit("no CUDA device visible to torch")
     print("torch", torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
     failures = lossless(args.device)
-    test = "tests/test_train.py::test_online_training_on_a_gpu"
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test], cwd=ROOT)
+    tests = ["tests/test_train.py::test_online_training_on_a_gpu", "tests/test_train.py::test_extract_on_a_device"]
+    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests], cwd=ROOT)
     verdict = "passed" if failures == 0 and rc == 0 else f"FAILED ({failures} decode mismatches, pytest {rc})"
     print("GPU check:", verdict)
     sys.exit(1 if failures or rc else 0)

@@ -59,6 +59,7 @@ def cmd_extract(args) -> int:
         (i, n),
         args.pack_tokens,
         args.dtype,
+        accelerator(args.device),
     )
     print(f"features in {args.features}")
     return 0
@@ -122,7 +123,9 @@ def cmd_train(args) -> int:
         online = online_features(args.target, args.data, args.arch, args.max_len, args.seed, args.chunk_tokens, device)
         model = online.target
     elif args.data:
-        model = extract_to(args.target, args.data, features, args.arch, args.max_len, args.seed, args.chunk_tokens)
+        model = extract_to(
+            args.target, args.data, features, args.arch, args.max_len, args.seed, args.chunk_tokens, device=device
+        )
         model = model.to(device)
     elif not (features / "meta.json").is_file():
         raise SpecheadError(f"no features in {features}: pass --data FILES or --features DIR")
@@ -229,6 +232,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default="float32",
         help="the target's weights while extracting (features are stored in bf16 either way)",
     )
+    _add_device(e)
     e.set_defaults(func=cmd_extract)
 
     t = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 drafter (optionally a SlimSpec head)")

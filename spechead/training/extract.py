@@ -48,14 +48,17 @@ def extract_to(
     shard: tuple[int, int] = (0, 1),
     pack_tokens: int | None = None,
     dtype: str = "float32",
+    device: torch.device | str = "cpu",
 ) -> Transformer:
     """Extract the features of ``data`` (examples cut to the target's context) into ``features``; returns the
     loaded target, so ``train-drafter --data`` trains on it without loading it again. ``dtype="bfloat16"`` runs
     the target in bf16 (about 3x faster where the CPU has bf16 matrix units; the features are stored in bf16
-    either way, and the returned target is then bf16 too)."""
+    either way, and the returned target is then bf16 too). On a GPU ``device`` the target runs there and the chunks
+    are written from host memory as on a CPU: several drafters then train from one computation of the states, where
+    ``--online`` would compute them once per training run."""
     if dtype not in ("float32", "bfloat16"):
         raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
-    model, folder = load_target(target, dtype=getattr(torch, dtype))
+    model, folder = load_target(target, dtype=getattr(torch, dtype), device=device)
     examples, max_len, pack_tokens = _cut(model, folder, data, max_len, seed, pack_tokens)
     model.setup_cache(pack_tokens)
     meta = {"data": data, "max_len": max_len, "seed": seed, "target": target, "target_dtype": dtype}
