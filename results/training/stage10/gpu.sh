@@ -4,7 +4,9 @@
 # 9,216 greedy ones, then the three shipped drafters trained on both at once for TRAIN_MIN minutes each, from the
 # stage 9 weights (EAGLE-2, EAGLE-3, and the rank-72 SlimSpec drafter against the target's distribution), with the
 # unroll that no longer waits for the device inside a pack (ttt.run_ttt) and CUDA MPS where the machine has it,
-# so that the three processes share the GPU rather than take turns on it.
+# so that the three processes share the GPU rather than take turns on it. Measured: a run went no faster than stage
+# 9's, as each process computes the target's states for every chunk itself (docs/training.md, stage 10): the next
+# run should compute them once and train the drafters from them.
 # A call carries 64 MiB and the GGUF alone is 94 MiB, so three calls from a code-only branch, the machine warm
 # between them (30 s):
 #   .venv/bin/python results/training/stage9/prompts.py --out .gpu/prompts.jsonl.gz
