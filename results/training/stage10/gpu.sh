@@ -40,18 +40,7 @@ fi
 timeout $GEN_S $PY -m spechead.cli gen-data --target $GG --engine transformers --device $DEV --batch-size $BATCH \
   --dtype bfloat16 --temperature 0.8 --max-new-tokens $NEW --seed 23 \
   --data .gpu/prompts.jsonl.gz${PROMPTS:+:$PROMPTS} --out $W/sampled.jsonl
-$PY - $W/sampled.jsonl <<'PYEOF'
-import json, sys  # a generation stopped by the clock may leave a torn last line: keep the whole records
-lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
-good = []
-for line in lines:
-    try:
-        json.loads(line); good.append(line)
-    except json.JSONDecodeError:
-        pass
-open(sys.argv[1], "w", encoding="utf-8").write("".join(g + "\n" for g in good))
-print(f"{len(good)} records kept of {len(lines)} lines")
-PYEOF
+$PY results/training/whole_records.py $W/sampled.jsonl  # a generation stopped by the clock: whole records only
 stamp generated
 DATA="$W/greedy9.jsonl"; [ -s $W/sampled.jsonl ] && DATA="$DATA $W/sampled.jsonl"  # held out: the last file's end
 C="--target $GG --device $DEV --online --data $DATA --max-len 1024 --pack-tokens 4096 --chunk-tokens 262144

@@ -33,18 +33,7 @@ $PY -c "from spechead.model.loading import resolve_target; print(resolve_target(
 stamp converted
 timeout $GEN_S $PY -m spechead.cli gen-data --target $GG --engine transformers --device $DEV --batch-size $BATCH \
   --max-new-tokens $NEW --seed 19 --data .gpu/prompts.jsonl.gz${PROMPTS:+:$PROMPTS} --out $W/greedy.jsonl
-$PY - $W/greedy.jsonl <<'PYEOF'
-import json, sys  # a generation stopped by the clock may leave a torn last line: keep the whole records
-lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
-good = []
-for line in lines:
-    try:
-        json.loads(line); good.append(line)
-    except json.JSONDecodeError:
-        pass
-open(sys.argv[1], "w", encoding="utf-8").write("".join(g + "\n" for g in good))
-print(f"{len(good)} records kept of {len(lines)} lines")
-PYEOF
+$PY results/training/whole_records.py $W/greedy.jsonl  # a generation stopped by the clock: whole records only
 stamp generated
 C="--target $GG --device $DEV --online --data $W/greedy.jsonl --max-len 1024 --pack-tokens 4096 --chunk-tokens 262144
   --loss-on all --eval-packs 8 --ce-positions 1024 --ce-weight 0.5 --noise 0.1 --seed 9 --quiet --ttt-steps 3
