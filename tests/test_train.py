@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -25,7 +26,16 @@ from spechead.model.tokenizer import load_tokenizer
 from spechead.training.config import TrainConfig, make_drafter
 from spechead.training.data import load_examples
 from spechead.training.features import extract_features, load_chunk
-from spechead.training.loop import ChunkCache, OnlineChunks, evaluate, lr_at, plan_packs, split_packs, train
+from spechead.training.loop import (
+    ChunkCache,
+    OnlineChunks,
+    evaluate,
+    lr_at,
+    plan_packs,
+    restore_optimizer,
+    split_packs,
+    train,
+)
 from spechead.training.ttt import make_batch, run_ttt
 
 WORDS = ["the cat sat", "on the mat", "a dog ran", "to the park", "i like tea", "we go home"]
@@ -157,6 +167,25 @@ def test_training_learns_and_resume_retraces(setup, tmp_path):
     assert load_drafter(tmp_path / "a", target).arch == "eagle2"  # the bf16 deliverable loads
 
 
+def test_a_checkpoint_resumes_on_this_runs_optimizer_path():
+    """A GPU run's AdamW is fused; resumed on the CPU it must take the CPU's reference path, as a run started there."""
+    p = torch.nn.Parameter(torch.ones(3))
+    fused = torch.optim.AdamW([p], lr=0.1, fused=True)
+    p.grad = torch.ones(3)
+    fused.step()
+    opt = torch.optim.AdamW([p], lr=0.1)
+    saved = fused.state_dict()
+    restore_optimizer(opt, copy.deepcopy(saved), fused=False)
+    assert opt.param_groups[0]["fused"] is None and opt.state[p]["step"].device.type == "cpu"
+    ref = torch.optim.AdamW([q := torch.nn.Parameter(p.detach().clone())], lr=0.1)
+    ref.load_state_dict(copy.deepcopy(saved))
+    ref.param_groups[0]["fused"] = None
+    p.grad, q.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    opt.step()
+    ref.step()
+    assert torch.equal(p, q)
+
+
 def test_posthoc_lowrank_distillation_trains_only_the_head(setup, tmp_path):
     folder, target, _, feats = setup
     base = train(target, feats, tmp_path / "e3", TrainConfig(arch="eagle3", steps_ttt=2, max_steps=2), progress=False)
@@ -235,7 +264,7 @@ def test_a_timed_run_decays_over_the_clock_ends_finished_and_stays_finished(setu
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 )
-def test_extract_on_a_device(setup, tmp_path, device):
+def test_extract_on_a_device(setup, tmp_path, device, monkeypatch):
     """``spechead extract --device``: the target runs there (once for every drafter that trains on the chunks), the
     chunks are the fixture's, in host memory; on the CPU bitwise, on a GPU within bf16 rounding of the CPU's states."""
     folder, _, data, feats = setup
@@ -243,12 +272,22 @@ def test_extract_on_a_device(setup, tmp_path, device):
     out = tmp_path / "feats"
     args = ["extract", "--target", str(folder), "--data", str(data), "--features", str(out), "--arch", "eagle3"]
     args += ["--max-len", "128"]
-    assert cli_main([*args, "--chunk-tokens", str(total), "--pack-tokens", "512", "--device", device]) == 0
+    import spechead.training.extract as extract
+
+    ran_on = []
+    monkeypatch.setattr(extract, "load_target", lambda *a, **k: ran_on.append(str(k["device"])) or load_target(*a, **k))
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # a GPU's extraction turns TF32 on for the process
+    try:
+        assert cli_main([*args, "--chunk-tokens", str(total), "--pack-tokens", "512", "--device", device]) == 0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert ran_on == [device]
     want, got = sorted(feats.glob("chunk_*.pt")), sorted(out.glob("chunk_*.pt"))
     assert [p.name for p in got] == [p.name for p in want] and len(got) == 2
     for a, b in zip(want, got, strict=True):
         ca, cb = load_chunk(a), load_chunk(b)
-        assert torch.equal(ca.ids, cb.ids) and torch.equal(ca.starts, cb.starts) and cb.hidden.device.type == "cpu"
+        assert torch.equal(ca.ids, cb.ids) and torch.equal(ca.starts, cb.starts)
+        assert torch.load(b, weights_only=True)["hidden"].device.type == "cpu"  # written from host memory
         tol = {} if device == "cpu" else {"atol": 0.05, "rtol": 0.02}
         torch.testing.assert_close(cb.hidden.float(), ca.hidden.float(), **(tol or {"atol": 0, "rtol": 0}))
         torch.testing.assert_close(cb.aux.float(), ca.aux.float(), **(tol or {"atol": 0, "rtol": 0}))

@@ -171,6 +171,19 @@ def load_train_state(folder: Path) -> dict[str, Any] | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def restore_optimizer(opt: torch.optim.Optimizer, state: dict[str, Any], fused: bool) -> None:
+    """Load a checkpoint's optimizer state for this run's device: ``load_state_dict`` would bring back the saved
+    groups' ``fused`` flag too, so a GPU run's checkpoint resumed on the CPU (or an older one on a GPU) would take the
+    other update path; the flag and the step counters (on the parameters' device when fused) follow this run."""
+    opt.load_state_dict(state)
+    for g in opt.param_groups:
+        g["fused"] = fused or None
+        for p in g["params"]:
+            st = opt.state.get(p, {})
+            if "step" in st:
+                st["step"] = st["step"].to(p.device if fused else "cpu", torch.float32)
+
+
 def param_checksum(drafter: Drafter) -> float:
     return float(sum(p.detach().double().sum() for p in drafter.parameters() if p.requires_grad))
 
@@ -251,7 +264,7 @@ def train(
     total = cfg.max_steps or (sys.maxsize if budget_s else max(1, int(math.ceil(per_epoch * cfg.epochs))))
     step, epoch, pos, spent_s = 0, 0, 0, 0.0
     if ck_state is not None:
-        opt.load_state_dict(ck_state["optimizer"])
+        restore_optimizer(opt, ck_state["optimizer"], fused)
         step, epoch, pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
         spent_s = ck_state.get("elapsed_s", 0.0) if budget_s else 0.0  # a spent budget: nothing left to train
     out.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         """The pack's states on ``device`` (a no-op for what is there already, as online chunks' states are).
         Token ids, loss mask and ends stay on the host: ``run_ttt`` plans its indices there, so that an unroll on
-        a GPU never waits for the device to learn how many positions a step has."""
+        a GPU need not wait for the device to learn how many positions a step has (it reads the device once a pack)."""
         aux = self.aux.to(device, non_blocking=True) if self.aux is not None else None
         return Batch(self.ids, self.mask, self.end, self.lengths, self.hidden.to(device, non_blocking=True), aux)
 
@@ -189,7 +189,7 @@ def run_ttt(
                 stats.append(torch.stack([hits1.double(), (kk == ref[:, None]).any(-1).sum().double(), ce.double()]))
             counts.append(int(pick_h.numel()))
         else:
-            stats.append(torch.tensor([0.0, 0.0, float("nan")], dtype=torch.float64, device=dev))
+            stats.append(torch.tensor([0.0, 0.0, float("nan")], dtype=torch.float64).to(dev, non_blocking=True))
             counts.append(0)
         h = out
     got = torch.stack(stats).tolist()  # the one wait for the device, after the whole unroll is queued

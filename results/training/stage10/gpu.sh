@@ -3,7 +3,7 @@
 # sampled replies of the target (bf16 generate, temperature 0.8, a prompt order of its own seed) beside stage 9's
 # 9,216 greedy ones, then the three shipped drafters trained on both at once for TRAIN_MIN minutes each, from the
 # stage 9 weights (EAGLE-2, EAGLE-3, and the rank-72 SlimSpec drafter against the target's distribution), with the
-# unroll that no longer waits for the device inside a pack (ttt.run_ttt) and CUDA MPS where the machine has it,
+# unroll that reads the device once a pack (ttt.run_ttt) and CUDA MPS where the machine has it,
 # so that the three processes share the GPU rather than take turns on it. Measured: a run went no faster than stage
 # 9's, as each process computes the target's states for every chunk itself (docs/training.md, stage 10): the next
 # run should compute them once and train the drafters from them.
