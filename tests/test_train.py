@@ -268,7 +268,7 @@ def test_extract_on_a_device(setup, tmp_path, device, monkeypatch):
     """``spechead extract --device``: the target runs there (once for every drafter that trains on the chunks), the
     chunks are the fixture's, in host memory; on the CPU bitwise, on a GPU within bf16 rounding of the CPU's states."""
     folder, _, data, feats = setup
-    total = sum(len(e.ids) for e in load_examples(load_tokenizer(folder), [data], max_len=128)[:20])
+    total = _setup_examples(folder, data)[1]  # the fixture's chunking
     out = tmp_path / "feats"
     args = ["extract", "--target", str(folder), "--data", str(data), "--features", str(out), "--arch", "eagle3"]
     args += ["--max-len", "128"]
@@ -288,9 +288,9 @@ def test_extract_on_a_device(setup, tmp_path, device, monkeypatch):
         ca, cb = load_chunk(a), load_chunk(b)
         assert torch.equal(ca.ids, cb.ids) and torch.equal(ca.starts, cb.starts)
         assert torch.load(b, weights_only=True)["hidden"].device.type == "cpu"  # written from host memory
-        tol = {} if device == "cpu" else {"atol": 0.05, "rtol": 0.02}
-        torch.testing.assert_close(cb.hidden.float(), ca.hidden.float(), **(tol or {"atol": 0, "rtol": 0}))
-        torch.testing.assert_close(cb.aux.float(), ca.aux.float(), **(tol or {"atol": 0, "rtol": 0}))
+        tol = {"atol": 0, "rtol": 0} if device == "cpu" else {"atol": 0.05, "rtol": 0.02}
+        torch.testing.assert_close(cb.hidden.float(), ca.hidden.float(), **tol)
+        torch.testing.assert_close(cb.aux.float(), ca.aux.float(), **tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")

@@ -134,7 +134,7 @@ def run_ttt(
     ids, end, lmask = b.ids.cpu(), b.end.cpu(), b.mask.cpu()
     idx = torch.arange(n)
     mask0 = block_causal_mask(b.lengths, dev)
-    pos0 = packed_positions(b.lengths).to(dev, non_blocking=True)
+    pos0 = packed_positions(b.lengths, dev)
     hidden = b.hidden.float()
     w_t = target.lm_head.weight
     eagle3 = isinstance(drafter, Eagle3Drafter)
@@ -178,7 +178,7 @@ def run_ttt(
             logits = draft_logits(drafter, target, head_in).float()
             with torch.no_grad():
                 feat_next = hidden[src[pick_h].to(dev, non_blocking=True)]
-                t_logits = (drafter.head_input(out[pick]) @ teacher.T) if teacher is not None else feat_next @ w_t.T
+                t_logits = (head_in.detach() @ teacher.T) if teacher is not None else feat_next @ w_t.T
                 p = torch.softmax(t_logits.float(), -1)
             ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
             total = total + weight * (cfg.ce_weight if not eagle3 and teacher is None else 1.0) * ce
