@@ -7,7 +7,7 @@
 #   bash results/training/stage11/code_branch.sh [BRANCH]
 set -euo pipefail
 BRANCH=${1:-gpu11}
-PATHS=(spechead tests/conftest.py tests/test_train.py results/gpu results/training/stage11
+PATHS=(spechead tests/conftest.py tests/test_data.py tests/test_train.py results/gpu results/training/stage11
   results/training/whole_records.py pyproject.toml .gitignore)
 export GIT_INDEX_FILE=$(mktemp -u)
 trap 'rm -f "$GIT_INDEX_FILE"' EXIT
