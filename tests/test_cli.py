@@ -26,6 +26,13 @@ def run(*args, timeout=300):
         (["generate", "--prompt", "hello " * 300, "--max-len", "256"], "does not fit the context"),
         (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["bench", "--suite", "/no/such.jsonl"], "suite file not found"),
+        # the server refuses its options before it loads the (here missing) target
+        (["serve", "--max-batch", "0", "--target", "/no/such/model"], "--max-batch must be in [1, 64], got 0"),
+        (["serve", "--max-batch", "65", "--target", "/no/such/model"], "--max-batch must be in [1, 64], got 65"),
+        (["serve", "--queue-size", "-1", "--target", "/no/such/model"], "--queue-size >= 0"),
+        (["serve", "--max-tokens", "0", "--target", "/no/such/model"], "--max-tokens >= 1"),
+        (["serve", "--head", "nope", "--target", "/no/such/model"], "unknown head"),
+        (["serve", "--drafter", "/no/such/dir", "--target", "/no/such/model"], "drafter not found"),
     ],
 )
 def test_bad_input_is_one_line(args, message):

@@ -279,18 +279,24 @@ def create_app(worker: DecodeWorker):
 def build_worker(args) -> DecodeWorker:
     """The worker for ``spechead serve``'s options: target, drafter, default head and tree, queue and limits."""
 
-    from spechead.decoding.session import resolve_drafter
+    from spechead.decoding.session import check_drafter_spec, resolve_drafter
+    from spechead.heads import HEADS  # noqa: F401  (registers every head)
+    from spechead.heads.base import check_head_spec
+    from spechead.serve.batch_worker import BatchWorker
     from spechead.tuning.tune import open_session
 
-    # auto: each head's decoder gets the tuning for this machine + target + drafter + head (the default head's
-    # at startup, measured then if not cached; another head's on the first request that picks it)
+    # bad options fail here, before the target loads and the default head's tree is tuned (auto: each head's
+    # decoder gets the tuning for this machine + target + drafter + head, another head's on its first request)
     tree = args.tree if args.tree is None or args.tree.strip() == "auto" else TreeConfig.parse(args.tree)
+    max_batch = getattr(args, "max_batch", 1)
+    BatchWorker.check_capacity(max_batch)
+    DecodeWorker.check_limits(args.queue_size, args.timeout, args.max_tokens)
+    check_head_spec(args.head)
+    check_drafter_spec(args.drafter)
     session = open_session(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     name = args.served_model_name or target_label(args.target)
     common = (session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name)
-    if getattr(args, "max_batch", 1) > 1:
-        from spechead.serve.batch_worker import BatchWorker
-
-        return BatchWorker(*common, max_batch=args.max_batch)
+    if max_batch > 1:
+        return BatchWorker(*common, max_batch=max_batch)
     return DecodeWorker(*common)

@@ -21,6 +21,7 @@ from spechead.serve.stream import TextStream
 from spechead.serve.worker import DecodeWorker, Job, Outcome
 
 log = logging.getLogger("spechead.serve")
+MAX_BATCH = 64  # a server's KV cache holds max_len positions for every slot (64 x 2048 x 30 layers: 3.6 GB, demo)
 
 
 @dataclass
@@ -49,13 +50,18 @@ class BatchWorker(DecodeWorker):
         model_name: str = DEMO_NAME,
         max_batch: int = 8,
     ) -> None:
-        if not 1 <= max_batch <= 64:
-            raise SpecheadError(f"--max-batch must be in [1, 64], got {max_batch}")
+        self.check_capacity(max_batch)
         self.capacity = max_batch
         self._batch: BatchDecoder | None = None
         self._live: dict[int, _Live] = {}
         self._heads: dict[str, DraftHead] = {}  # stateless heads other than the default, shared by their requests
         super().__init__(session, drafter, head, tree, queue_size, timeout, max_tokens, model_name)
+
+    @staticmethod
+    def check_capacity(max_batch: int) -> None:
+        """``--max-batch``, checked before anything loads (``build_worker``) and here."""
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise SpecheadError(f"--max-batch must be in [1, {MAX_BATCH}], got {max_batch}")
 
     @property
     def decoding(self) -> int:

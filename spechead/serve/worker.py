@@ -82,8 +82,7 @@ class DecodeWorker:
         max_tokens: int = 512,
         model_name: str = DEMO_NAME,
     ) -> None:
-        if queue_size < 0 or timeout <= 0 or max_tokens < 1:
-            raise SpecheadError("need --queue-size >= 0, --timeout > 0 and --max-tokens >= 1")
+        self.check_limits(queue_size, timeout, max_tokens)
         self.session, self.drafter, self.tree = session, drafter, tree
         self.default_head, self.queue_size, self.timeout = head, queue_size, timeout
         self.max_tokens, self.model_name, self.created = max_tokens, model_name, int(time.time())
@@ -100,6 +99,15 @@ class DecodeWorker:
         self._service_s = 1.0  # moving average of decode time, for Retry-After
         self._thread = threading.Thread(target=self._work, name="spechead-decoder", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def check_limits(queue_size: int, timeout: float, max_tokens: int) -> None:
+        """The queue and per-request limits, checked before anything loads (``build_worker``) and here."""
+        if queue_size < 0 or not timeout > 0 or max_tokens < 1:
+            raise SpecheadError(
+                "need --queue-size >= 0, --timeout > 0 and --max-tokens >= 1, "
+                f"got {queue_size}, {timeout:g} and {max_tokens}"
+            )
 
     # -- tokenizer ------------------------------------------------------------------------------
     def encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
