@@ -33,6 +33,11 @@ def run(*args, timeout=300):
         (["serve", "--max-tokens", "0", "--target", "/no/such/model"], "--max-tokens >= 1"),
         (["serve", "--head", "nope", "--target", "/no/such/model"], "unknown head"),
         (["serve", "--drafter", "/no/such/dir", "--target", "/no/such/model"], "drafter not found"),
+        # so do training (a --save-every of 0 used to fail at the first save, after the steps) and the batch study
+        (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--save-every", "0"], "--save-every"),
+        (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--lr", "-1"], "--lr must be > 0"),
+        (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--epochs", "0"], "--epochs"),
+        (["bench", "--batch", "1,2", "--repeats", "0", "--target", "/no/such/model"], "--repeats must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -41,6 +46,13 @@ def test_bad_input_is_one_line(args, message):
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("spechead: error")]
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.once  # refused by argparse
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_threads_must_be_positive(threads):
+    r = run("generate", "--prompt", "hi", "--threads", threads, "--target", "/no/such/model")
+    assert r.returncode == 2 and "--threads: expected a positive integer" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.once  # refused at load

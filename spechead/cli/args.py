@@ -52,7 +52,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def add_threads(p: argparse.ArgumentParser, type=int) -> None:
+def add_threads(p: argparse.ArgumentParser, type=positive_int) -> None:
     p.add_argument("--threads", type=type, default=None, help="torch CPU threads (default: all cores)")
 
 

@@ -121,6 +121,8 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
     from spechead.tuning.measure import cpu_name
 
     batches = parse_batches(args.batch)
+    if args.repeats < 1:
+        raise SpecheadError(f"--repeats must be >= 1, got {args.repeats}")
     tree = None if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
     specs = check_methods(methods, tree)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads, positive_int
+from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads
 from spechead.errors import SpecheadError
 
 
@@ -37,7 +37,7 @@ def add_cli(sub) -> None:
     add_target(t)
     add_drafter(t)
     add_head(t, help="draft head to tune for, e.g. full, nanospec, lowrank")
-    add_threads(t, type=positive_int)
+    add_threads(t)
     add_max_len(t)
     t.add_argument(
         "--budget",

@@ -45,6 +45,29 @@ class TrainConfig:
     all_positions: bool = False  # also train on non-assistant positions (labels are the target's anyway)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Refuse settings no run can use before anything loads (``train-drafter`` builds this first)."""
+        if self.arch not in ("eagle2", "eagle3"):
+            raise SpecheadError(f"unknown --arch {self.arch!r}; expected eagle2 or eagle3")
+        checks = [
+            ("--ttt-steps", self.steps_ttt, self.steps_ttt >= 0, ">= 0 (0: the architecture's default)"),
+            ("--epochs", self.epochs, self.epochs > 0, "> 0"),
+            ("--max-steps", self.max_steps, self.max_steps >= 0, ">= 0 (0: from --epochs)"),
+            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("--warmup", self.warmup, self.warmup >= 0, ">= 0"),
+            ("--grad-clip", self.grad_clip, self.grad_clip > 0, "> 0"),
+            ("--pack-tokens", self.pack_tokens, self.pack_tokens >= 2, ">= 2"),
+            ("--ce-positions", self.ce_positions, self.ce_positions >= 1, ">= 1"),
+            ("--ce-weight", self.ce_weight, self.ce_weight >= 0, ">= 0"),
+            ("--noise", self.noise, self.noise >= 0, ">= 0"),
+            ("--eval-every", self.eval_every, self.eval_every >= 0, ">= 0 (0: only at the end)"),
+            ("--eval-packs", self.eval_packs, self.eval_packs >= 1, ">= 1"),
+            ("--save-every", self.save_every, self.save_every >= 1, ">= 1"),
+        ]
+        for flag, value, ok, want in checks:
+            if not ok:  # (a NaN fails every comparison, so it is refused too)
+                raise SpecheadError(f"{flag} must be {want}, got {value}")
+
     @property
     def n_steps(self) -> int:
         return self.steps_ttt or (1 if self.arch == "eagle2" else 7)
