@@ -38,6 +38,8 @@ def run(*args, timeout=300):
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--lr", "-1"], "--lr must be > 0"),
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--epochs", "0"], "--epochs"),
         (["bench", "--batch", "1,2", "--repeats", "0", "--target", "/no/such/model"], "--repeats must be >= 1"),
+        (["generate", "--prompt", "hi", "--tree", "chain:100000"], "at most 1024 tokens"),  # drafted for minutes
+        (["generate", "--prompt", "hi", "--tree", "chain:0"], "a chain drafts at least 1 token"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -48,11 +50,31 @@ def test_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
-@pytest.mark.once  # refused by argparse
-@pytest.mark.parametrize("threads", ["0", "-2"])
-def test_threads_must_be_positive(threads):
-    r = run("generate", "--prompt", "hi", "--threads", threads, "--target", "/no/such/model")
-    assert r.returncode == 2 and "--threads: expected a positive integer" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.once  # refused by argparse, before anything loads (each of these used to end in a traceback)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt", "hi", "--threads", "0"], "--threads: expected a positive integer"),
+        (["generate", "--prompt", "hi", "--threads", "-2"], "--threads: expected a positive integer"),
+        (["generate", "--prompt", "hi", "--max-len", "-5"], "--max-len: expected a positive integer"),
+        (["serve", "--port", "99999"], "--port: a port is in [0, 65535]"),
+        (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--chunk-tokens", "0"], "--chunk-tokens"),
+        (["bench-heads", "--shape", "demo", "--k", "0"], "--k: expected a positive integer"),
+    ],
+)
+def test_out_of_range_options_are_usage_errors(args, message):
+    r = run(*args, "--target", "/no/such/model") if args[0] != "bench-heads" else run(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.once
+def test_export_never_writes_over_a_folder(tmp_path):
+    """--out naming the drafter being read (or any non-empty folder, or a file) is refused before loading."""
+    (tmp_path / "config.json").write_text("{}")
+    for out in (tmp_path, tmp_path / "config.json"):
+        r = run("export", "--drafter", str(tmp_path), "--out", str(out), "--target", "/no/such/model")
+        assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (tmp_path / "config.json").read_text() == "{}"
 
 
 @pytest.mark.once  # refused at load

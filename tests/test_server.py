@@ -280,7 +280,18 @@ def test_errors_in_openai_format(server):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=msgs, **kw)
         assert e.value.body["type"] == "invalid_request_error", kw
-    for messages in ([], "hi", [{"content": "no role"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
+    for head in ("lowrank:0", "fr:999999"):  # names and options parse; only the weights refuse them
+        for stream in (False, True):  # a streamed request too gets its 400 before the stream starts
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "stream": stream, "head": head}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "head", (head, stream, r.text)
+    for messages in (
+        [],
+        "hi",
+        [{"content": "no role"}],
+        [{"role": "wizard", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", messages
     with pytest.raises(openai.NotFoundError) as e:

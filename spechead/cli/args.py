@@ -13,6 +13,17 @@ AUTO_TREE_HELP = (
 )
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: one the system picks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a clear usage error otherwise)."""
     try:
@@ -42,7 +53,7 @@ def add_tree(p: argparse.ArgumentParser) -> None:
 
 
 def add_max_len(p: argparse.ArgumentParser, default: int = 4096) -> None:
-    p.add_argument("--max-len", type=int, default=default, help="context limit (KV cache size)")
+    p.add_argument("--max-len", type=positive_int, default=default, help="context limit (KV cache size)")
 
 
 def add_sampling(p: argparse.ArgumentParser) -> None:

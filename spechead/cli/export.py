@@ -18,11 +18,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format not in FORMATS:
         raise SpecheadError(f"unknown export format {args.format!r}; expected one of {', '.join(FORMATS)}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the drafter it reads, or anything else
+        raise SpecheadError(f"--out {out} already exists and is not an empty folder; export writes a new one")
     session = Session.open(args.target, max_len=64)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     with torch.no_grad():
         head = session.draft_head(drafter, args.head)
-    out = export_vllm(drafter, head, args.head, Path(args.out), getattr(drafter, "spechead_source", ""))
+    out = export_vllm(drafter, head, args.head, out, getattr(drafter, "spechead_source", ""))
     print(f"wrote {out} ({args.head} head)")
     print(
         "vLLM: LLM(TARGET, speculative_config={"

@@ -12,7 +12,7 @@ import torch
 
 from spechead import kernels
 from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, gemm_variants, issue_bars
-from spechead.cli.args import add_threads
+from spechead.cli.args import add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
 from spechead.tuning.measure import cpu_name, llc_bytes
@@ -126,7 +126,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--k", type=int, default=10, help="top-k per call")
+    p.add_argument("--k", type=positive_int, default=10, help="top-k per call")
     p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
     p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
     p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
@@ -136,7 +136,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
     p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
     p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
-    p.add_argument("--gemm-rows", type=int, default=32768, help="rows of the matrix for --gemm-variants")
+    p.add_argument("--gemm-rows", type=positive_int, default=32768, help="rows of the matrix for --gemm-variants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     add_threads(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads, add_tree
+from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads, add_tree, port_number
 from spechead.serve.app import build_worker, create_app
 
 
@@ -39,7 +39,7 @@ def add_cli(sub) -> None:
     add_head(s, help="default draft head (a request may pick another)")
     add_tree(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000)
     s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while others decode")
     s.add_argument(
         "--max-batch",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from spechead.cli.args import add_target, add_threads, set_threads
+from spechead.cli.args import add_target, add_threads, positive_int, set_threads
 from spechead.errors import SpecheadError
 from spechead.model.loading import load_target
 from spechead.training.config import TrainConfig
@@ -187,8 +187,8 @@ def _features_options(p: argparse.ArgumentParser) -> None:
     add_target(p)
     p.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"])
     p.add_argument("--data", nargs="+", default=None, help="chat / text JSONL files (FILE or FILE:N)")
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--chunk-tokens", type=int, default=65536)
+    p.add_argument("--max-len", type=positive_int, default=1024)
+    p.add_argument("--chunk-tokens", type=positive_int, default=65536)
     p.add_argument("--seed", type=int, default=0)
     add_threads(p)
 
@@ -222,7 +222,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--shard", default="0/1", help="I/N: extract every N-th chunk starting at I (parallel workers)")
     e.add_argument(
         "--pack-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per target forward, at least --max-len (default max(2048, --max-len)); attention costs its square",
     )

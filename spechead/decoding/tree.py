@@ -22,6 +22,8 @@ from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
 from spechead.model.layers import Segment
 
+MAX_ROWS = 1024  # tokens one verification may hold: far past where a tree stops paying on any device
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -37,6 +39,8 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 1 or self.lookup < 0:
             raise ValueError(f"invalid tree {self}: need top_k >= 1, depth >= 0, total_tokens >= 1, lookup >= 0")
+        if self.max_rows > MAX_ROWS or self.depth >= MAX_ROWS:  # (chain:100000 drafted for minutes)
+            raise ValueError(f"invalid tree {self}: a round verifies at most {MAX_ROWS} tokens, lookup included")
 
     @property
     def max_rows(self) -> int:
@@ -56,6 +60,8 @@ class TreeConfig:
     @classmethod
     def chain(cls, length: int) -> TreeConfig:
         """Classic chain drafting: ``length`` tokens, one candidate each."""
+        if length < 1:
+            raise ValueError(f"a chain drafts at least 1 token, got chain:{length}")
         return cls(top_k=1, depth=length - 1, total_tokens=length + 1)
 
     def lean(self) -> TreeConfig:

@@ -122,6 +122,7 @@ def create_app(worker: DecodeWorker):
         return check_body(body, worker.model_name)
 
     async def respond(request: Request, p: Params, chat: bool):
+        await asyncio.to_thread(worker.check_head, p.head)  # a 400 before any response starts, streamed or not
         job = Job(p, asyncio.get_running_loop(), worker.timeout)
         worker.submit(job)
         # Watch the connection from now on: a client that leaves while its job waits (or before a

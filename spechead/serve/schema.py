@@ -187,6 +187,10 @@ def parse_params(body: dict, default_max_tokens: int, default_head: str) -> Para
     )
 
 
+# roles a chat request may use -> the role the chat template sees (OpenAI's "developer" is the system prompt)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 def parse_messages(body: dict) -> list[dict[str, str]]:
     """Chat turns as ``{"role", "content"}`` with the content as one string (text parts joined)."""
     messages = body.get("messages")
@@ -196,6 +200,8 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", "messages")
+        if m["role"] not in ROLES:  # a template renders any role; an unknown one is a client's mistake
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is supported
             parts = []
@@ -208,5 +214,5 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        turns.append({"role": m["role"], "content": content})
+        turns.append({"role": ROLES[m["role"]], "content": content})
     return turns

@@ -89,6 +89,7 @@ class DecodeWorker:
         self.metrics = Metrics()
         self._tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self._decoders: OrderedDict[str, Decoder] = OrderedDict()
+        self._heads_ok: set[str] = set()  # head specs check_head built once
         self._default_tree: TreeConfig | None = None  # the default head's: other heads' tree when not tuned
         self._decoder(head)  # a bad --head fails at startup, not on the first request
         self._cv = threading.Condition()
@@ -238,6 +239,19 @@ class DecodeWorker:
                     self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t0)
 
     # -- decoding -------------------------------------------------------------------------------
+    def check_head(self, spec: str) -> None:
+        """Build a request's head once, before its response starts (a streamed one could only report a bad
+        argument as an event after a 200): the name and options are checked by ``parse_params``, but only
+        the weights tell whether ``lowrank:R`` or ``fr:N`` fit this drafter. Each spec is built once; the
+        worker thread builds its own. Runs in a helper thread (``asyncio.to_thread``)."""
+        if spec == self.default_head or spec in self._heads_ok:
+            return
+        try:
+            self.session.draft_head(self.drafter, spec)
+        except Exception as e:  # the head spec is user input: a bad argument is the request's fault
+            raise ApiError(400, f"cannot build draft head {spec!r}: {type(e).__name__}: {e}", "head") from e
+        self._heads_ok.add(spec)
+
     def _decoder(self, head: str) -> Decoder:
         """Decoders per head spec, least recently used dropped; all share the target and its KV cache,
         which is safe because only the worker thread decodes, one request at a time."""
