@@ -40,6 +40,9 @@ def run(*args, timeout=300):
         (["bench", "--batch", "1,2", "--repeats", "0", "--target", "/no/such/model"], "--repeats must be >= 1"),
         (["generate", "--prompt", "hi", "--tree", "chain:100000"], "at most 1024 tokens"),  # drafted for minutes
         (["generate", "--prompt", "hi", "--tree", "chain:0"], "a chain drafts at least 1 token"),
+        # a head's options in --methods were checked after loading, and a bad one skipped with exit 0
+        (["bench", "--methods", "ar,nanospec:abc", "--target", "/no/such/model"], "method 'nanospec:abc'"),
+        (["gen-data", "--data", "x.jsonl", "--out", "/no/such/o.jsonl", "--temperature", "-1"], "--temperature"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -60,11 +63,33 @@ def test_bad_input_is_one_line(args, message):
         (["serve", "--port", "99999"], "--port: a port is in [0, 65535]"),
         (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--chunk-tokens", "0"], "--chunk-tokens"),
         (["bench-heads", "--shape", "demo", "--k", "0"], "--k: expected a positive integer"),
+        (["train-drafter", "--out", "/no/such/run", "--stop-after", "-1"], "--stop-after: expected a positive"),
     ],
 )
 def test_out_of_range_options_are_usage_errors(args, message):
     r = run(*args, "--target", "/no/such/model") if args[0] != "bench-heads" else run(*args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.once
+def test_training_never_writes_over_a_drafter(tmp_path):
+    """--out holding a drafter but no run to resume (a shipped drafter's folder, say) is refused before loading."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    r = run("train-drafter", "--out", str(tmp_path), "--features", str(tmp_path), "--target", "/no/such/model")
+    assert r.returncode == 2 and "already holds a drafter" in r.stderr, r.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_data_spec_counts_are_positive(tmp_path):
+    from spechead.errors import SpecheadError
+    from spechead.training.data import parse_data_spec
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text("")
+    assert parse_data_spec(f"{f}:3") == (f, 3) and parse_data_spec(str(f)) == (f, None)
+    for bad in ("0", "-1", "abc"):  # was: 0 read as a count, the others as "file not found"
+        with pytest.raises(SpecheadError, match="positive integer"):
+            parse_data_spec(f"{f}:{bad}")
 
 
 @pytest.mark.once

@@ -69,12 +69,18 @@ class MethodSpec:
 def check_methods(methods: list[str], tree: TreeConfig | None) -> list[MethodSpec]:
     """Parse every method before any model loads; an unknown name is a typo, not a method to skip."""
     from spechead.heads import HEADS
+    from spechead.heads.base import check_head_spec
 
     specs = [MethodSpec.parse(m, tree) for m in methods]
     for s in specs:
         if s.kind == "spec" and s.head.partition(":")[0] not in HEADS:
             known = "hf, hf-pld, ar, eagle, eagle3, " + ", ".join(sorted(HEADS))
             raise SpecheadError(f"unknown method {s.name!r}; known: {known}, presets {', '.join(PRESETS)}")
+        if s.kind == "spec":  # its options too (nanospec:abc, fr:0): refused, not skipped after the model loads
+            try:
+                check_head_spec(s.head)
+            except (SpecheadError, ValueError) as e:
+                raise SpecheadError(f"method {s.name!r}: {e}") from None
     if len({s.name for s in specs}) != len(specs):
         raise SpecheadError("duplicate method names")
     return specs

@@ -19,6 +19,8 @@ from spechead.training.loop import train
 
 def cmd_gen_data(args) -> int:
     checked_device(args.device)
+    if not args.temperature >= 0:  # (NaN too)
+        raise SpecheadError(f"--temperature must be >= 0, got {args.temperature}")
     n = generate_data(
         args.target,
         args.data,
@@ -111,6 +113,8 @@ def cmd_train(args) -> int:
     features = Path(args.features) if args.features else out / "features"
     cfg = train_config(args)
     cfg.rank  # validate the head spec before any work  # noqa: B018
+    if (out / "model.safetensors").exists() and not (out / "checkpoint").is_dir():  # a drafter, not a run
+        raise SpecheadError(f"{out} already holds a drafter and no training run to resume; choose another --out")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SpecheadError(f"--max-minutes must be > 0, got {args.max_minutes}")
     device = accelerator(args.device)
@@ -205,7 +209,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0)
     add_threads(g)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights to generate with")
-    g.add_argument("--stop-after", type=int, default=None, help="stop this call after N prompts (resume later)")
+    g.add_argument(
+        "--stop-after", type=positive_int, default=None, help="stop this call after N prompts (resume later)"
+    )
     g.add_argument(
         "--engine",
         choices=GEN_ENGINES,
@@ -270,7 +276,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--eval-packs", type=int, default=16)
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--no-resume", action="store_true")
-    t.add_argument("--stop-after", type=int, default=None, help="stop this call after N steps (resume later)")
+    t.add_argument("--stop-after", type=positive_int, default=None, help="stop this call after N steps (resume later)")
     t.add_argument("--quiet", action="store_true")
     _add_device(t)
     t.add_argument(

@@ -136,8 +136,10 @@ def encode_record(tokenizer, rec: dict[str, Any], where: str = "record") -> Exam
 def parse_data_spec(spec: str) -> tuple[Path, int | None]:
     """``FILE`` or ``FILE:N`` (the first N records after a seeded shuffle)."""
     head, sep, tail = spec.rpartition(":")
-    if sep and tail.isdigit():
+    if sep and tail.isdigit() and int(tail) >= 1:
         return Path(head), int(tail)
+    if sep and Path(head).is_file() and not Path(spec).exists():
+        raise SpecheadError(f"{spec}: N in FILE:N must be a positive integer, got {tail!r}")
     return Path(spec), None
 
 
