@@ -33,16 +33,18 @@ def run(*args, timeout=300):
         (["serve", "--max-tokens", "0", "--target", "/no/such/model"], "--max-tokens >= 1"),
         (["serve", "--head", "nope", "--target", "/no/such/model"], "unknown head"),
         (["serve", "--drafter", "/no/such/dir", "--target", "/no/such/model"], "drafter not found"),
-        # so do training (a --save-every of 0 used to fail at the first save, after the steps) and the batch study
+        # so does training (a --save-every of 0 used to fail at the first save, after the steps)
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--save-every", "0"], "--save-every"),
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--lr", "-1"], "--lr must be > 0"),
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--epochs", "0"], "--epochs"),
-        (["bench", "--batch", "1,2", "--repeats", "0", "--target", "/no/such/model"], "--repeats must be >= 1"),
         (["generate", "--prompt", "hi", "--tree", "chain:100000"], "at most 1024 tokens"),  # drafted for minutes
         (["generate", "--prompt", "hi", "--tree", "chain:0"], "a chain drafts at least 1 token"),
         # a head's options in --methods were checked after loading, and a bad one skipped with exit 0
         (["bench", "--methods", "ar,nanospec:abc", "--target", "/no/such/model"], "method 'nanospec:abc'"),
         (["gen-data", "--data", "x.jsonl", "--out", "/no/such/o.jsonl", "--temperature", "-1"], "--temperature"),
+        (["tune", "--head", "bogus", "--target", "/no/such/model"], "unknown head"),
+        (["export", "--out", "/no/such/out", "--head", "bogus", "--target", "/no/such/model"], "unknown head"),
+        (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--pack-tokens", "10"], "at least --max-len"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -64,6 +66,10 @@ def test_bad_input_is_one_line(args, message):
         (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--chunk-tokens", "0"], "--chunk-tokens"),
         (["bench-heads", "--shape", "demo", "--k", "0"], "--k: expected a positive integer"),
         (["train-drafter", "--out", "/no/such/run", "--stop-after", "-1"], "--stop-after: expected a positive"),
+        (["bench", "--warmup", "-1"], "--warmup: expected an integer >= 0"),
+        (["bench", "--limit-mt", "-1"], "--limit-mt: expected a positive integer"),
+        (["bench", "--batch", "1,2", "--repeats", "0"], "--repeats: expected a positive integer"),
+        (["bench-heads", "--subset", "0"], "--subset: expected a positive integer"),
     ],
 )
 def test_out_of_range_options_are_usage_errors(args, message):

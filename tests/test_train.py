@@ -392,3 +392,12 @@ def test_fitted_low_rank_head_round_trips_and_its_twin_is_the_same_drafter(setup
     (path / LOW_RANK_FILE).write_bytes(b"garbage")
     with pytest.raises(SpecheadError, match="corrupt"):
         load_drafter(path, target)
+
+
+def test_a_corrupt_features_meta_is_named(tmp_path):
+    from spechead.training.loop import ready_features
+
+    (tmp_path / "meta.json").write_text('{"lengths": [3,')
+    (tmp_path / "chunk_00000.pt").write_bytes(b"")  # a chunk is there: only the meta is wrong
+    with pytest.raises(SpecheadError, match="meta.json is corrupt"):
+        ready_features(tmp_path)

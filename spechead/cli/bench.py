@@ -19,7 +19,16 @@ from spechead.bench.harness import run_bench, write_outputs
 from spechead.bench.methods import PRESETS, check_methods, expand_methods
 from spechead.bench.runners import LOWRANK_DEMO
 from spechead.bench.suites import EVAL_DIR_ENV, SUITES, load_suite, round_robin
-from spechead.cli.args import AUTO_TREE_HELP, add_compile, add_max_len, add_sampling, add_target, add_threads
+from spechead.cli.args import (
+    AUTO_TREE_HELP,
+    add_compile,
+    add_max_len,
+    add_sampling,
+    add_target,
+    add_threads,
+    non_negative_int,
+    positive_int,
+)
 from spechead.decoding.sampling import SamplingConfig
 from spechead.decoding.session import AUTO_TREE
 from spechead.decoding.tree import TreeConfig
@@ -121,8 +130,6 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
     from spechead.tuning.measure import cpu_name
 
     batches = parse_batches(args.batch)
-    if args.repeats < 1:
-        raise SpecheadError(f"--repeats must be >= 1, got {args.repeats}")
     tree = None if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
     specs = check_methods(methods, tree)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
@@ -199,8 +206,10 @@ def add_cli(sub) -> None:
         default="spec-bench",
         help="spec-bench, humaneval, a JSONL file with 'turns', or a,b; NAME:N caps that suite at N per category",
     )
-    b.add_argument("--limit", type=int, default=None, help="prompts per category")
-    b.add_argument("--limit-mt", type=int, default=None, help="prompts per MT-bench category (default: --limit)")
+    b.add_argument("--limit", type=positive_int, default=None, help="prompts per category")
+    b.add_argument(
+        "--limit-mt", type=positive_int, default=None, help="prompts per MT-bench category (default: --limit)"
+    )
     b.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
     b.add_argument(
         "--methods",
@@ -229,7 +238,7 @@ def add_cli(sub) -> None:
     add_sampling(b)
     add_threads(b)
     add_compile(b)
-    b.add_argument("--warmup", type=int, default=1, help="prompts run (turn 1, 16 tokens) before timing")
+    b.add_argument("--warmup", type=non_negative_int, default=1, help="prompts run (turn 1, 16 tokens) before timing")
     b.add_argument(
         "--no-guard", action="store_true", help="speculate every round (no fallback to AR when slower): raw speed"
     )
@@ -239,7 +248,9 @@ def add_cli(sub) -> None:
         help="the batch study: comma-separated batch sizes (e.g. 1,2,4,8,16); every method on the batched decoder, "
         "first turns only, tree per batch size by spechead.bench.batch.batch_tree unless --tree/@TREE is given",
     )
-    b.add_argument("--repeats", type=int, default=3, help="--batch: timed passes per method, interleaved (median)")
+    b.add_argument(
+        "--repeats", type=positive_int, default=3, help="--batch: timed passes per method, interleaved (median)"
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
     b.set_defaults(func=cmd_bench)

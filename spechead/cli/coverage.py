@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from spechead.bench.coverage import DEFAULT_SIZES, coverage_study, format_table, write_report
+from spechead.cli.args import positive_int
 from spechead.cli.bench import REPO_ROOT, add_eval_dir, eval_dir_of
 from spechead.errors import SpecheadError
 
@@ -57,13 +58,13 @@ def add_cli(sub) -> None:
     c.add_argument("--suite", default="spec-bench,humaneval", help="suites (comma-separated) or JSONL files")
     add_eval_dir(c)
     c.add_argument("--categories", default=None, help="comma-separated categories (MT = the 8 MT-bench ones)")
-    c.add_argument("--limit", type=int, default=None, help="records per category")
+    c.add_argument("--limit", type=positive_int, default=None, help="records per category")
     c.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="set sizes N to compare")
-    c.add_argument("--size", type=int, default=3072, help="the size the table shows (NanoSpec's W_max)")
+    c.add_argument("--size", type=positive_int, default=3072, help="the size the table shows (NanoSpec's W_max)")
     c.add_argument(
         "--train", default=str(default_train_dir()), help="folder of .jsonl(.gz) files to count frequencies on"
     )
-    c.add_argument("--freq-records", type=int, default=2000, help="records read from each training file")
+    c.add_argument("--freq-records", type=positive_int, default=2000, help="records read from each training file")
     c.add_argument("--json", default=None, help="write the results to this file")
     c.add_argument("--report", default=None, help="write coverage.md and coverage.png into this folder")
     c.set_defaults(func=cmd_coverage)

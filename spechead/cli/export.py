@@ -14,13 +14,17 @@ from spechead.integrations.vllm.export import FORMATS, HEADS, VLLM_METHOD, expor
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from spechead.decoding.session import Session, resolve_drafter
+    import spechead.heads  # noqa: F401  (registers every head)
+    from spechead.decoding.session import Session, check_drafter_spec, resolve_drafter
+    from spechead.heads.base import check_head_spec
 
     if args.format not in FORMATS:
         raise SpecheadError(f"unknown export format {args.format!r}; expected one of {', '.join(FORMATS)}")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the drafter it reads, or anything else
         raise SpecheadError(f"--out {out} already exists and is not an empty folder; export writes a new one")
+    check_head_spec(args.head)  # before the target loads
+    check_drafter_spec(args.drafter)
     session = Session.open(args.target, max_len=64)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     with torch.no_grad():

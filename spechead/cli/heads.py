@@ -12,7 +12,7 @@ import torch
 
 from spechead import kernels
 from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, gemm_variants, issue_bars
-from spechead.cli.args import add_threads, positive_int
+from spechead.cli.args import add_threads, non_negative_int, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
 from spechead.tuning.measure import cpu_name, llc_bytes
@@ -125,15 +125,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", default="llama3.1-8b", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
     p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--k", type=positive_int, default=10, help="top-k per call")
-    p.add_argument("--subset", type=int, default=32768, help="size of the fr / vocabtrim subsets")
-    p.add_argument("--w-max", type=int, default=3072, help="NanoSpec / hybrid W_max")
-    p.add_argument("--rank", type=int, default=None, help="low-rank head rank (default d/8)")
-    p.add_argument("--escape-m", type=int, default=8, help="escape ids per row for the hybrid+esc variant")
-    p.add_argument("--calls-per-round", type=int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)")
-    p.add_argument("--new-per-round", type=int, default=16, help="fresh ids gathered into NanoSpec's set per round")
-    p.add_argument("--nodes", type=int, default=60, help="tree nodes verified per round (their logits feed Ext)")
+    p.add_argument("--subset", type=positive_int, default=32768, help="size of the fr / vocabtrim subsets")
+    p.add_argument("--w-max", type=positive_int, default=3072, help="NanoSpec / hybrid W_max")
+    p.add_argument("--rank", type=positive_int, default=None, help="low-rank head rank (default d/8)")
+    p.add_argument("--escape-m", type=non_negative_int, default=8, help="escape ids per row for the hybrid+esc variant")
+    p.add_argument(
+        "--calls-per-round", type=positive_int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)"
+    )
+    p.add_argument(
+        "--new-per-round", type=positive_int, default=16, help="fresh ids gathered into NanoSpec's set per round"
+    )
+    p.add_argument(
+        "--nodes", type=positive_int, default=60, help="tree nodes verified per round (their logits feed Ext)"
+    )
     p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
     p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
     p.add_argument("--gemm-rows", type=positive_int, default=32768, help="rows of the matrix for --gemm-variants")

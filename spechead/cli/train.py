@@ -50,6 +50,8 @@ def cmd_extract(args) -> int:
         raise SpecheadError(f"--shard wants I/N with 0 <= I < N, got {args.shard!r}") from None
     if not args.data:
         raise SpecheadError("extract needs --data FILES")
+    if args.pack_tokens is not None and args.pack_tokens < args.max_len:
+        raise SpecheadError(f"--pack-tokens must be at least --max-len ({args.max_len}), got {args.pack_tokens}")
     extract_to(
         args.target,
         args.data,
@@ -292,9 +294,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fit-lowrank", help="fit an EAGLE-2 drafter's low-rank head to its own states (no training)")
     f.add_argument("--drafter", required=True, help="the EAGLE-2 drafter folder; lowrank_head.safetensors goes in it")
     f.add_argument("--features", required=True, help="feature folder the drafter runs over (held-out first)")
-    f.add_argument("--rank", type=int, default=None, help="rank (default d/8)")
-    f.add_argument("--fit-tokens", type=int, default=65536)
-    f.add_argument("--eval-tokens", type=int, default=2048)
+    f.add_argument("--rank", type=positive_int, default=None, help="rank (default d/8)")
+    f.add_argument("--fit-tokens", type=positive_int, default=65536)
+    f.add_argument("--eval-tokens", type=positive_int, default=2048)
     add_target(f)
     add_threads(f)
     f.set_defaults(func=cmd_fit_lowrank)

@@ -10,12 +10,16 @@ from spechead.errors import SpecheadError
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from spechead.decoding.session import resolve_drafter
+    from spechead.decoding.session import check_drafter_spec, resolve_drafter
+    from spechead.heads import HEADS  # noqa: F401  (registers every head)
+    from spechead.heads.base import check_head_spec
     from spechead.tuning.show import format_show, summary_line
     from spechead.tuning.tune import load_or_tune, open_session
 
     if args.budget is not None and not args.budget > 0:
         raise SpecheadError(f"--budget must be > 0 seconds, got {args.budget}")
+    check_head_spec(args.head)  # before the target loads
+    check_drafter_spec(args.drafter)
     session = open_session(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     settings = {"budget_s": args.budget} if args.budget is not None else {}

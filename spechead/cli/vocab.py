@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from spechead.cli.args import add_drafter, add_max_len, add_target, add_threads
+from spechead.cli.args import add_drafter, add_max_len, add_target, add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.heads.tokenmaps import vocab_dirs
 from spechead.model.tokenizer import end_token_ids, load_tokenizer, model_vocab_size
@@ -94,7 +94,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--data", nargs="+", required=True, help="JSONL(.gz) files or folders: chat 'messages' or 'text'")
     f.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
     f.add_argument("--out", default=None, help="output folder (default: where fr:N looks)")
-    f.add_argument("--limit", type=int, default=None, help="records per file")
+    f.add_argument("--limit", type=positive_int, default=None, help="records per file")
     f.set_defaults(func=cmd_freq)
 
     v = sub.add_parser("vocabtrim", help="VocabTrim: token lists from the drafter's own proposals on target replies")
@@ -105,7 +105,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--sizes", default="8192,16384,32768", help="comma-separated list sizes")
     v.add_argument("--out", default=None, help="output folder (default: where vocabtrim:N looks)")
-    v.add_argument("--limit", type=int, default=None, help="number of prompts")
+    v.add_argument("--limit", type=positive_int, default=None, help="number of prompts")
     v.add_argument("--max-new-tokens", type=int, default=128, help="length of each calibration reply")
     v.add_argument("--topk", type=int, default=4, help="drafter proposals counted per position (the tree's top_k)")
     add_max_len(v, 2048)

@@ -192,7 +192,11 @@ def param_checksum(drafter: Drafter) -> float:
 def ready_features(features: Path) -> tuple[list[Path], dict[str, Any]]:
     """The chunks and meta to train on: an extraction still running (or stopped early) leaves chunks 0..n-1."""
     paths = feature_chunks(features)
-    meta = json.loads((features / "meta.json").read_text())
+    try:
+        meta = json.loads((features / "meta.json").read_text())
+        meta["lengths"]  # noqa: B018
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecheadError(f"{features / 'meta.json'} is corrupt ({e}); extract the features again") from None
     n_ready = next((i for i, p in enumerate(paths) if p.name != f"chunk_{i:05d}.pt"), len(paths))
     meta["lengths"] = meta["lengths"][:n_ready]
     return paths[:n_ready], meta
