@@ -62,7 +62,7 @@ def test_bad_input_is_one_line(args, message):
         (["generate", "--prompt", "hi", "--threads", "0"], "--threads: expected a positive integer"),
         (["generate", "--prompt", "hi", "--threads", "-2"], "--threads: expected a positive integer"),
         (["generate", "--prompt", "hi", "--max-len", "-5"], "--max-len: expected a positive integer"),
-        (["serve", "--port", "99999"], "--port: a port is in [0, 65535]"),
+        (["serve", "--port", "99999"], "--port: expected a port in [0, 65535]"),
         (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--chunk-tokens", "0"], "--chunk-tokens"),
         (["bench-heads", "--shape", "demo", "--k", "0"], "--k: expected a positive integer"),
         (["train-drafter", "--out", "/no/such/run", "--stop-after", "-1"], "--stop-after: expected a positive"),

@@ -13,37 +13,30 @@ AUTO_TREE_HELP = (
 )
 
 
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0-65535 (0: one the system picks)."""
+def _int_in(text: str, low: int, high: int | None, want: str) -> int:
+    """An integer in [low, high] from the command line, or argparse's usage error saying what was wanted."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {value}")
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {value}")
     return value
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port (0: one the system picks)."""
+    return _int_in(text, 0, 65535, "a port in [0, 65535]")
 
 
 def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (a clear usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    """argparse type: an integer >= 0."""
+    return _int_in(text, 0, None, "an integer >= 0")
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a clear usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    """argparse type: an integer >= 1."""
+    return _int_in(text, 1, None, "a positive integer")
 
 
 def add_target(p: argparse.ArgumentParser) -> None:

@@ -53,11 +53,5 @@ sh train-drafter $C --arch eagle3 --init $LR72 --head lowrank:72 --lowrank-teach
   > $W/lr72.log 2>&1 &
 wait
 stamp trained
-for r in e2 e3 lr72; do echo "== $r"; tail -c 600 $W/$r.log; done
-cp $W/sampled.jsonl.manifest.json $W/gen_data_manifest.json 2>/dev/null
-(cd $W && tar cf $W/stage10.tar gen_data_manifest.json *run/metrics.json *run/train_log.jsonl *run/model.safetensors \
-  *run/config.json *.log 2>/dev/null; ls -la $W/stage10.tar)
-split -b 15m -d $W/stage10.tar $OUT/stage10.tar.
-gzip -6 -c $W/sampled.jsonl > $W/sampled.jsonl.gz && ls -la $W/sampled.jsonl.gz
-[ $(stat -c %s $W/sampled.jsonl.gz) -le 14000000 ] && cp $W/sampled.jsonl.gz $OUT/
+source results/training/gpu_lib.sh; send_back stage10 $W/sampled.jsonl
 stamp done

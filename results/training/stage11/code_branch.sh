@@ -8,7 +8,7 @@
 set -euo pipefail
 BRANCH=${1:-gpu11}
 PATHS=(spechead tests/conftest.py tests/test_data.py tests/test_train.py results/gpu results/training/stage11
-  results/training/whole_records.py pyproject.toml .gitignore)
+  results/training/whole_records.py results/training/gpu_lib.sh pyproject.toml .gitignore)
 export GIT_INDEX_FILE=$(mktemp -u)
 trap 'rm -f "$GIT_INDEX_FILE"' EXIT
 git ls-tree -r HEAD -- "${PATHS[@]}" | grep -v $'\tspechead/drafters/' | git update-index --add --index-info

@@ -67,11 +67,5 @@ sh train-drafter $C --arch eagle3 --init $W/lr72 --head lowrank:72 --lowrank-tea
   > $W/lr72.log 2>&1 &
 wait
 stamp trained
-for r in e2 e3 lr72; do echo "== $r"; tail -c 600 $W/$r.log; done
-cp $W/greedy11.jsonl.manifest.json $W/gen_data_manifest.json 2>/dev/null
-(cd $W && tar cf $W/stage11.tar gen_data_manifest.json *run/metrics.json *run/train_log.jsonl *run/model.safetensors \
-  *run/config.json *.log 2>/dev/null; ls -la $W/stage11.tar)
-split -b 15m -d $W/stage11.tar $OUT/stage11.tar.
-gzip -6 -c $W/greedy11.jsonl > $W/greedy11.jsonl.gz && ls -la $W/greedy11.jsonl.gz
-[ $(stat -c %s $W/greedy11.jsonl.gz) -le 14000000 ] && cp $W/greedy11.jsonl.gz $OUT/
+source results/training/gpu_lib.sh; send_back stage11 $W/greedy11.jsonl
 stamp done
