@@ -78,6 +78,18 @@ def test_out_of_range_options_are_usage_errors(args, message):
 
 
 @pytest.mark.once
+def test_serve_refuses_a_taken_port_before_loading():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("serve", "--port", str(port), "--target", "/no/such/model")
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+@pytest.mark.once
 def test_training_never_writes_over_a_drafter(tmp_path):
     """--out holding a drafter but no run to resume (a shipped drafter's folder, say) is refused before loading."""
     (tmp_path / "model.safetensors").write_bytes(b"weights")

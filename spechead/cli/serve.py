@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from spechead.cli.args import add_drafter, add_head, add_max_len, add_target, add_threads, add_tree, port_number
+from spechead.errors import SpecheadError
 from spechead.serve.app import build_worker, create_app
 
 
@@ -14,6 +16,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_listen(args.host, args.port)  # a taken port fails now, not after the target loads and the tree is tuned
     worker = build_worker(args)
     print(
         f"[spechead] serving {worker.model_name} (drafter {args.drafter}, head {args.head}) on "
@@ -29,6 +32,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuse an address this process cannot listen on (in use, not local); uvicorn binds it again later."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+            s.bind(addr)
+    except OSError as e:
+        raise SpecheadError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def add_cli(sub) -> None:
