@@ -72,15 +72,14 @@ def check_methods(methods: list[str], tree: TreeConfig | None) -> list[MethodSpe
     from spechead.heads.base import check_head_spec
 
     specs = [MethodSpec.parse(m, tree) for m in methods]
-    for s in specs:
-        if s.kind == "spec" and s.head.partition(":")[0] not in HEADS:
+    for s in (s for s in specs if s.kind == "spec"):
+        if s.head.partition(":")[0] not in HEADS:
             known = "hf, hf-pld, ar, eagle, eagle3, " + ", ".join(sorted(HEADS))
             raise SpecheadError(f"unknown method {s.name!r}; known: {known}, presets {', '.join(PRESETS)}")
-        if s.kind == "spec":  # its options too (nanospec:abc, fr:0): refused, not skipped after the model loads
-            try:
-                check_head_spec(s.head)
-            except (SpecheadError, ValueError) as e:
-                raise SpecheadError(f"method {s.name!r}: {e}") from None
+        try:  # its options too (nanospec:abc, fr:0): refused, not skipped after the model loads
+            check_head_spec(s.head)
+        except (SpecheadError, ValueError) as e:
+            raise SpecheadError(f"method {s.name!r}: {e}") from None
     if len({s.name for s in specs}) != len(specs):
         raise SpecheadError("duplicate method names")
     return specs

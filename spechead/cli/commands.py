@@ -45,7 +45,6 @@ def _tree(spec: str | None):
 
 def cmd_generate(args) -> int:
     from spechead.decoding.session import check_drafter_spec, resolve_drafter
-    from spechead.heads import HEADS  # noqa: F401  (registers every head)
     from spechead.heads.base import check_head_spec
     from spechead.tuning.tune import open_session
 

@@ -14,7 +14,6 @@ from spechead.integrations.vllm.export import FORMATS, HEADS, VLLM_METHOD, expor
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    import spechead.heads  # noqa: F401  (registers every head)
     from spechead.decoding.session import Session, check_drafter_spec, resolve_drafter
     from spechead.heads.base import check_head_spec
 

@@ -19,8 +19,6 @@ from spechead.training.loop import train
 
 def cmd_gen_data(args) -> int:
     checked_device(args.device)
-    if not args.temperature >= 0:  # (NaN too)
-        raise SpecheadError(f"--temperature must be >= 0, got {args.temperature}")
     n = generate_data(
         args.target,
         args.data,

@@ -11,7 +11,6 @@ from spechead.errors import SpecheadError
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from spechead.decoding.session import check_drafter_spec, resolve_drafter
-    from spechead.heads import HEADS  # noqa: F401  (registers every head)
     from spechead.heads.base import check_head_spec
     from spechead.tuning.show import format_show, summary_line
     from spechead.tuning.tune import load_or_tune, open_session

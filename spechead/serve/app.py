@@ -281,7 +281,6 @@ def build_worker(args) -> DecodeWorker:
     """The worker for ``spechead serve``'s options: target, drafter, default head and tree, queue and limits."""
 
     from spechead.decoding.session import check_drafter_spec, resolve_drafter
-    from spechead.heads import HEADS  # noqa: F401  (registers every head)
     from spechead.heads.base import check_head_spec
     from spechead.serve.batch_worker import BatchWorker
     from spechead.tuning.tune import open_session

@@ -256,6 +256,8 @@ def generate_data(
         )
     if batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
         raise SpecheadError("--batch-size, --max-new-tokens and --max-prompt-tokens must be >= 1")
+    if not temperature >= 0:  # (NaN too)
+        raise SpecheadError(f"--temperature must be >= 0, got {temperature}")
     if threads:
         torch.set_num_threads(threads)
     folder = resolve_target(target)
