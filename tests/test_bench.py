@@ -294,6 +294,8 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
         (["bench", "--categories", "no-such-category"], "no prompts selected"),
         (["coverage", "--tokenizer", "/no/such/tokenizer.json"], "tokenizer not found"),
         (["coverage", "--tokenizer", "demo", "--sizes", "a,b"], "--sizes"),
+        (["coverage", "--tokenizer", "demo", "--size", "100000"], "at most the vocabulary size 49152"),
+        (["bench-heads", "--shape", "demo", "--rank", "576"], "--rank must be below the hidden size of demo (576)"),
     ],
 )
 def test_bad_input_is_one_line_before_any_model_loads(args, message, capsys):

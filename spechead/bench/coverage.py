@@ -319,6 +319,8 @@ def coverage_study(
 
     path = tokenizer_file(tokenizer)
     tok = load_tokenizer(path).backend_tokenizer  # the file's own tokenizers.Tokenizer
+    if max(sizes) > tok.get_vocab_size():
+        raise SpecheadError(f"set sizes must be at most the vocabulary size {tok.get_vocab_size()}, got {max(sizes)}")
     records = load_records(suite, limit, categories, eval_dir)
     ranked = frequent_ids(tok, path, train, freq_records)
     return {

@@ -53,6 +53,9 @@ def cmd_bench_heads(args) -> int:
             raise SpecheadError(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
     if args.dtype not in DTYPES:
         raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPES)}")
+    for s in shapes:  # a head skipped for an option the shape cannot take would hide the user's mistake
+        if args.rank is not None and args.rank >= SHAPES[s][0]:
+            raise SpecheadError(f"--rank must be below the hidden size of {s} ({SHAPES[s][0]}), got {args.rank}")
     batches = _ints(args.batch, "--batch")
     if args.repeats < 1 or args.calls_per_round < 1 or args.new_per_round < 0 or args.nodes < 1:
         raise SpecheadError("--repeats, --calls-per-round and --nodes must be >= 1, --new-per-round >= 0")

@@ -25,7 +25,8 @@ from spechead.training.loop import OnlineChunks, train  # noqa: E402
 
 def main() -> None:
     torch.manual_seed(0)
-    tmp = Path(tempfile.mkdtemp())
+    tmp_dir = tempfile.TemporaryDirectory()  # removed when the script ends
+    tmp = Path(tmp_dir.name)
     target, _ = load_target(str(write_tiny_llama(tmp / "tiny", vocab=64, layers=2)), device="cpu")
     rng = random.Random(0)
     lengths = [40, 90, 70, 120] * 12

@@ -63,7 +63,8 @@ def main() -> None:
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # as train-drafter's accelerator() sets it
         torch.backends.cudnn.allow_tf32 = True
-    target, _ = load_target(str(demo_shaped_target(Path(tempfile.mkdtemp()) / "t")), device=args.device)
+    tmp = tempfile.TemporaryDirectory()  # a 538 MB target: removed when the script ends
+    target, _ = load_target(str(demo_shaped_target(Path(tmp.name) / "t")), device=args.device)
     dev = target.lm_head.weight.device
     rng = random.Random(0)
     examples = []

@@ -26,7 +26,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp())
+    tmp_dir = tempfile.TemporaryDirectory()  # removed when the script ends
+    tmp = Path(tmp_dir.name)
     folder = write_tiny_llama(tmp / "tiny", vocab=64, layers=2)
     tokenizer.load_tokenizer = lambda _: SimpleNamespace(pad_token_id=0)  # the tiny model has no tokenizer
     replies = list(_transformers_replies(folder, "float32", [[3, 4, 5], [6, 7]], 2, 8, 0.0, 0, [1], args.device))
