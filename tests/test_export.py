@@ -112,3 +112,19 @@ def test_cached_export_follows_the_drafters_weights(tiny_dir, tiny_target, tmp_p
     exported, saved = load_drafter(second, tiny_target), load_drafter(folder, tiny_target)
     for k, v in saved.checkpoint_state().items():  # the new export holds the new weights
         torch.testing.assert_close(exported.checkpoint_state()[k], v)
+
+
+@pytest.mark.once
+def test_a_schedule_becomes_vllms_chain_length_by_batch_size(tiny_dir, tiny_target):
+    from spechead.integrations.vllm.compare import Method, parse_schedule, vllm_config
+
+    assert parse_schedule("1-4:1,5-256:0") == [(1, 4, 1), (5, 256, 0)]
+    assert parse_schedule("1:2,2-8:1") == [(1, 1, 2), (2, 8, 1)]
+    for bad in ("2-4:1", "1-4:x", "4-1:1", "1-4:-1", "1-4"):
+        with pytest.raises(ValueError, match="schedule"):
+            parse_schedule(bad)
+    method = Method("test", "eagle2", "full")
+    spec = vllm_config(method, tiny_dir, 1, parse_schedule("1-4:1,5-256:0"))
+    assert spec["num_speculative_tokens"] == 1
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 1], [5, 256, 0]]
+    assert "num_speculative_tokens_per_batch_size" not in vllm_config(method, tiny_dir, 1)

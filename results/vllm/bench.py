@@ -26,7 +26,14 @@ import torch
 
 from spechead.bench.suites import load_suite, round_robin
 from spechead.decoding.session import Session
-from spechead.integrations.vllm.compare import METHODS, engine_args, export_dir, spechead_run, vllm_config
+from spechead.integrations.vllm.compare import (
+    METHODS,
+    engine_args,
+    export_dir,
+    parse_schedule,
+    spechead_run,
+    vllm_config,
+)
 from spechead.integrations.vllm.run import spawn
 from spechead.tuning.measure import cpu_name
 
@@ -89,6 +96,12 @@ def main() -> int:
         "--compiled", action="store_true", help="vLLM with torch.compile and its CPU graphs (default: eager)"
     )
     p.add_argument(
+        "--schedule",
+        default=None,
+        help="vLLM's chain length by batch size, START-END:K,... (e.g. 1-4:1,5-256:0: no drafts from batch 5 on); "
+        "spechead's engine (batch 1) runs --k",
+    )
+    p.add_argument(
         "--part",
         default="all",
         choices=["all", "vllm", "spechead", "table"],
@@ -100,6 +113,7 @@ def main() -> int:
     ids = prompts(session, args.prompts, args.max_prompt_len)
     batches = [int(x) for x in args.batches.split(",")]
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    schedule = parse_schedule(args.schedule) if args.schedule else None
     cores = f"0-{args.threads - 1}"
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.is_file() else {}
@@ -113,6 +127,7 @@ def main() -> int:
         "k": args.k,
         "repeats": args.repeats,
         "compiled": args.compiled,
+        "schedule": args.schedule,
     }
     # results of the same set-up merge
     same = (
@@ -120,6 +135,7 @@ def main() -> int:
         and old.get("k", 3) == args.k
         and old.get("repeats", 1) == args.repeats
         and old.get("compiled", False) == args.compiled
+        and old.get("schedule") == args.schedule
     )
     res["vllm"] = old.get("vllm", {}) if same else {}
     res["spechead"] = old.get("spechead", {}) if same else {}
@@ -135,7 +151,7 @@ def main() -> int:
     for name in [AR, *names] if args.part in ("all", "vllm") else []:
         t = time.perf_counter()
         method = None if name == AR else METHODS[name]
-        spec = None if method is None else vllm_config(method, export_dir(method, session), args.k)
+        spec = None if method is None else vllm_config(method, export_dir(method, session), args.k, schedule)
         job = {**base, "speculative_config": spec, "engine_args": engine_args(method)}
         res["vllm"][name] = spawn(job, timeout_s=1500, cores=cores)
         summary = {x: round(r["tok_s"], 1) for x, r in res["vllm"][name]["runs"].items()}
@@ -166,7 +182,9 @@ def main() -> int:
     out.with_suffix(".md").write_text(
         f"CPU: {res['cpu']}, {args.threads} threads, torch {res['torch']}; {len(ids)} prompts x "
         f"{args.max_new_tokens} new tokens, greedy, vLLM {'compiled' if args.compiled else 'eager'} "
-        f"(tok/s: median of {args.repeats} passes), chain of {args.k}\n\n{md}\n"
+        f"(tok/s: median of {args.repeats} passes), chain of {args.k}"
+        + (f", vLLM's chain by batch size {args.schedule}" if args.schedule else "")
+        + f"\n\n{md}\n"
     )
     print(md)
     return 0

@@ -230,9 +230,29 @@ def train(
     clock from its checkpoint (rerun with the same budget, a finished one trains nothing more; the steps a resumed
     run takes differ from an uninterrupted run's).
     """
+    dist = _distributed()
+    try:
+        return _train(dist, target, features, out, cfg, init, resume, progress, stop_after, online, max_minutes)
+    finally:  # a process left to exit with its group alive can abort in gloo's teardown ("terminate called ...")
+        if dist:
+            dist.destroy_process_group()
+
+
+def _train(
+    dist,
+    target: Transformer,
+    features: Path | None,
+    out: Path,
+    cfg: TrainConfig,
+    init: str | None,
+    resume: bool,
+    progress: bool,
+    stop_after: int | None,
+    online: OnlineChunks | None,
+    max_minutes: float | None,
+) -> dict[str, Any]:
     from tqdm import tqdm
 
-    dist = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     if dist and max_minutes:
         raise SpecheadError("a timed run (--max-minutes) is one process: each would stop at another step")

@@ -97,15 +97,36 @@ def export_dir(method: Method, session: Session, root: Path | None = None) -> Pa
     return out
 
 
-def vllm_config(method: Method, folder: Path, k: int = 3) -> dict[str, Any]:
+def parse_schedule(spec: str) -> list[tuple[int, int, int]]:
+    """``"1-4:1,5-256:0"`` -> vLLM's ``num_speculative_tokens_per_batch_size`` (inclusive batch-size ranges, the
+    chain length in each; 0 drafts nothing: vLLM then decodes those batches autoregressively)."""
+    out = []
+    try:
+        for part in spec.split(","):
+            sizes, _, k = part.partition(":")
+            lo, _, hi = sizes.partition("-")
+            out.append((int(lo), int(hi or lo), int(k)))
+    except ValueError:
+        raise ValueError(f"a schedule is START-END:K[,START-END:K...], e.g. 1-4:1,5-256:0; got {spec!r}") from None
+    if out[0][0] != 1 or any(k < 0 or lo > hi for lo, hi, k in out):
+        raise ValueError(f"a schedule starts at batch size 1, with START <= END and K >= 0; got {spec!r}")
+    return out
+
+
+def vllm_config(
+    method: Method, folder: Path, k: int = 3, schedule: list[tuple[int, int, int]] | None = None
+) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a method: its EAGLE method, a chain of k, greedy drafts through the
-    head's ``get_top_tokens`` (no full-vocabulary logits)."""
+    head's ``get_top_tokens`` (no full-vocabulary logits); ``schedule``: the chain length by batch size (vLLM's
+    dynamic speculative decoding), e.g. none from the batch size where a round stops paying."""
     spec = {
         "method": method.vllm_method,
         "model": str(folder),
         "num_speculative_tokens": k,
         "use_local_argmax_reduction": True,
     }
+    if schedule:
+        spec["num_speculative_tokens_per_batch_size"] = [list(s) for s in schedule]
     if method.per_request:  # a request's drafter rows: its accepted tokens only (see the plugin)
         spec["disable_padded_drafter_batch"] = True
     return spec
