@@ -23,7 +23,7 @@ from spechead.model.tokenizer import encode_text, encode_turns, load_tokenizer, 
 from spechead.model.transformer import Transformer
 
 DEMO_DRAFTERS = Path(__file__).parent.parent / "drafters"
-# Chosen by measurement on the 2-core CPU with the shipped drafter (README, "Tree shape";
+# Chosen by measurement on the 2-core CPU with the shipped drafter (docs/results.md, "Tree shape";
 # results/bench/tree-sweep3): a shallow drafted tree (top_k 2, depth 1, 4 tokens) plus an 8-token
 # context-lookup branch was fastest (NanoSpec 1.70x AR, tau 2.37) against 2x4x8 with the same branch
 # (1.53x, tau 2.53) and 2x4x8 without it (1.20x, tau 1.83): the lookup branch supplies the long accepted

@@ -118,7 +118,7 @@ class PackedLinear(nn.Module):
     Why one layer: a draft head (a handful of rows) and a target's decode step (1 row) or tree verification
     (4-16 rows) are the same product, which should cost the bytes of W. Library GEMMs are not with so few rows
     (MKL's sgemm repacks the whole weight on every few-row call: verifying 8 tokens cost 2.1x a decode step on
-    the 2-core CPU, README "Verification cost"). The paths, first that applies:
+    the 2-core CPU, docs/results.md "Verification cost"). The paths, first that applies:
 
     * spechead's blocked-layout kernel (``BlockedWeight``) wherever a build runs (every x86-64 and, portably,
       elsewhere): one copy of W serves any row count, and each output is accumulated in one order whatever the
