@@ -84,20 +84,37 @@ def test_stop_tokens_cancel_and_context_per_request(tiny_small_vocab_dir):
 
 
 def test_mixed_sampling_settings_in_one_batch(tiny_small_vocab_dir):
-    """Greedy requests next to sampled ones: the greedy outputs are unchanged, a seeded sampled request is
-    reproducible whatever shares its rounds."""
+    """Greedy requests next to sampled ones, under a tree that shrinks as the batch fills: the greedy outputs are
+    unchanged, and a seeded sampled request gives its batch-1 AR text whatever shares its rounds (its draws depend
+    on its seed and positions only, not on the trees its rounds drew)."""
     dec = make_decoder(tiny_small_vocab_dir)
     prompts = prompts_of(dec.target.config.vocab_size, 4, seed=2)
     greedy = [dec.generate(p, 20, speculative=False).tokens for p in prompts]
     hot = SamplingConfig(1.0, seed=7)
-    batch = batch_for(dec, max_batch=4)
+    rule = lambda n: TreeConfig(2, 2, 6, lookup=4) if n == 1 else TreeConfig.chain(1)  # noqa: E731
+    batch = batch_for(dec, tree=rule, max_batch=4)
     rids = [batch.submit(p, 20, hot if i % 2 else None) for i, p in enumerate(prompts)]
     results = {}
     while batch.busy:
         results.update((e.rid, e.result) for e in batch.step() if e.result is not None)
     assert results[rids[0]].tokens == greedy[0] and results[rids[2]].tokens == greedy[2]
-    alone = batch_for(dec, max_batch=1).generate([prompts[1]], 20, hot)[0]
-    assert results[rids[1]].tokens == alone.tokens
+    alone = batch_for(dec, tree=rule, max_batch=1).generate([prompts[1]], 20, hot)[0]
+    assert results[rids[1]].tokens == alone.tokens == dec.generate(prompts[1], 20, hot, speculative=False).tokens
+    assert results[rids[3]].tokens == dec.generate(prompts[3], 20, hot, speculative=False).tokens
+
+
+def test_a_request_cancelled_while_waiting_reports_its_end(tiny_small_vocab_dir):
+    """A caller releases requests on their result events: one cancelled before it joined gets one too (it was
+    dropped silently, and the server's slot for it was never freed)."""
+    dec = make_decoder(tiny_small_vocab_dir)
+    batch = batch_for(dec, max_batch=1)
+    first, waiting = batch.submit([1, 2, 3], 4), batch.submit([4, 5], 4)
+    batch.cancel(waiting)
+    results = {}
+    while batch.busy:
+        results.update((e.rid, e.result) for e in batch.step() if e.result is not None)
+    assert results[waiting].stop_reason == "cancelled" and results[waiting].tokens == []
+    assert results[first].tokens == dec.generate([1, 2, 3], 4, speculative=False).tokens
 
 
 @pytest.mark.once  # the acceptance rule, per request

@@ -232,3 +232,27 @@ def test_sampling_is_reproducible_with_seed(tiny_small_vocab_dir):
     dec = make_decoder(tiny_small_vocab_dir)
     cfg = SamplingConfig(1.0, seed=123)
     assert dec.generate([1, 2], 20, cfg).tokens == dec.generate([1, 2], 20, cfg).tokens
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_sampled_speculative_output_is_ars_for_the_same_seed(tiny_small_vocab_dir, tree):
+    """The draw at a position depends on the seed and the position only, so a seeded sampled request gives AR's
+    text token for token whatever the tree (drafts accepted and rejected alike), as greedy decoding does."""
+    dec = make_decoder(tiny_small_vocab_dir, tree=tree)
+    rounds = []
+    for seed in range(6):
+        cfg = SamplingConfig(1.0, top_p=0.95, seed=seed)
+        ar = dec.generate([1, 2], 24, cfg, speculative=False).tokens
+        res = dec.generate([1, 2], 24, cfg)
+        assert res.tokens == ar, seed
+        rounds += res.accept_lengths
+    assert max(rounds) > 1 and min(rounds) == 1  # drafts were both accepted and rejected
+
+
+def test_a_temperature_near_zero_samples_the_argmax(tiny_small_vocab_dir):
+    """Dividing the logits first overflowed to inf - inf (and a temperature rounding to 0 in float32 to 0 / 0): the
+    sample failed; the limit is the argmax's point mass."""
+    dec = make_decoder(tiny_small_vocab_dir)
+    greedy = dec.generate([1, 2], 12, speculative=False).tokens
+    for t in (1e-45, 1e-300):
+        assert dec.generate([1, 2], 12, SamplingConfig(t, seed=1)).tokens == greedy

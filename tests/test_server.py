@@ -251,6 +251,38 @@ def test_head_selection_and_seeded_sampling(server, reference):
     kw = dict(max_tokens=6, temperature=1.0, top_p=0.95, seed=1234)
     a, b = (chat(client, "Tell me a story.", **kw).choices[0].message.content for _ in range(2))
     assert a == b and a
+    # one token, no speculative round: NanoSpec's coverage is NaN, which JSON cannot carry (it was a 500)
+    r = chat(client, CHAT, max_tokens=1, temperature=0, extra_body={"head": "nanospec"})
+    assert r.choices[0].message.content == reference(CHAT, 1)[0]
+    assert r.model_extra["spechead"]["head_stats"]["coverage"] is None
+
+
+def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
+    """The client leaves between the batched worker's admission check and the request joining the batch: its lane
+    comes back (it stayed taken, and the worker thread spun on an idle batch)."""
+    import asyncio
+
+    from spechead.decoding.sampling import SamplingConfig
+    from spechead.decoding.session import resolve_drafter
+    from spechead.serve.batch_worker import BatchWorker
+    from spechead.serve.schema import Params
+    from spechead.serve.worker import Job
+
+    w = BatchWorker(demo_session, resolve_drafter("random", demo_session.target), max_batch=1)
+    loop = asyncio.new_event_loop()
+    leaving, next_one = (Job(Params([1, 2, 3], 4, SamplingConfig(), [], "full", False, False), loop, 60) for _ in "ab")
+    build = w._request_head
+    w._request_head = lambda spec: (w.cancel(leaving), build(spec))[1]  # the first client leaves meanwhile
+    try:
+        w.submit(leaving)
+        wait_until(leaving.cancelled.is_set, "the first job's admission")
+        w._request_head = build
+        w.submit(next_one)  # the only lane: it runs only if the first job gave it back
+        wait_until(lambda: next_one.done, "the next job to be decoded", limit=60)
+        wait_until(lambda: not w.busy, "the worker to be idle")
+    finally:
+        w.close()
+        loop.close()
 
 
 def test_errors_in_openai_format(server):

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from spechead.decoding.decoder import GenerationResult, check_prompt, choose, clip_round, make_generator
+from spechead.decoding.decoder import GenerationResult, check_prompt, choose, clip_round, make_draws
 from spechead.decoding.guard import Guard, GuardConfig
-from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sampling
+from spechead.decoding.sampling import Draws, SamplingConfig, accept_greedy, accept_sampling
 from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
@@ -72,7 +72,7 @@ class _Request:
     ids: Tensor
     max_new: int
     sampling: SamplingConfig
-    gen: torch.Generator | None
+    draws: Draws | None
     submitted: float
     lane: int = -1
     head: DraftHead | None = None
@@ -163,16 +163,14 @@ class BatchDecoder:
             raise SpecheadError("max_new_tokens must be >= 1")
         cfg = sampling or SamplingConfig()
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        request = _Request(rid, ids, max_new_tokens, cfg, make_generator(cfg), time.perf_counter(), head=head)
+        request = _Request(rid, ids, max_new_tokens, cfg, make_draws(cfg), time.perf_counter(), head=head)
         self.waiting.append(request)
         return rid
 
     def cancel(self, rid: int) -> None:
-        """Drop a request: a waiting one at once, an active one at the next round (its lane is then free)."""
-        for r in list(self.waiting):
-            if r.rid == rid:
-                self.waiting.remove(r)
-        for r in self.active:
+        """Drop a request at the next round, waiting or active (an active one's lane is then free); that round's
+        events give its result, stop reason ``cancelled``, so a caller releases every request the same way."""
+        for r in (*self.waiting, *self.active):
             if r.rid == rid:
                 r.cancelled = True
 
@@ -190,7 +188,7 @@ class BatchDecoder:
         """One round: drop cancelled requests, admit waiting ones into free lanes, then draft and verify every
         active request's tree in one target forward."""
         events: list[BatchEvent] = []
-        for r in [r for r in self.active if r.cancelled]:
+        for r in [r for r in (*self.waiting, *self.active) if r.cancelled]:
             events.append(self._leave(r, "cancelled"))
         used = {r.lane for r in self.active}
         free = [lane for lane in range(self.max_batch) if lane not in used]
@@ -235,7 +233,7 @@ class BatchDecoder:
                 want_aux = drafter.arch == "eagle3"
                 pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=rows)], want_aux)[0]
                 r.head.begin(r.ids, pre.logits if r.head.needs_prompt_logits else None)
-            r.root = choose(pre.logits[-1], r.sampling, r.gen)
+            r.root = choose(pre.logits[-1], r.sampling, r.draws, r.ids.numel())
         r.prefill_s, r.length = time.perf_counter() - t0, r.ids.numel()
         if drafter is not None:
             r.feats, r.next_tokens = [drafter.target_features(pre)], r.ids[1:].tolist() + [r.root]
@@ -259,7 +257,7 @@ class BatchDecoder:
         return BatchEvent(r.rid, new)
 
     def _leave(self, r: _Request, reason: str, new: list[int] | None = None) -> BatchEvent:
-        self.active.remove(r)
+        (self.active if r.lane >= 0 else self.waiting).remove(r)
         spec_rounds = len(r.accept_lengths)
         stats = r.head.stats() if r.head is not None else {}
         result = GenerationResult(
@@ -337,10 +335,10 @@ class BatchDecoder:
                 children: list[list[int]] = [[] for _ in tokens]
                 for node, par in enumerate(tree.parents[1:], start=1):
                     children[par].append(node)
-                if r.sampling.greedy:
+                if r.draws is None:
                     path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
                 else:
-                    path, bonus = accept_sampling(tokens, children, vo.logits, r.sampling, r.gen)
+                    path, bonus = accept_sampling(tokens, children, vo.logits, r.sampling, r.draws, r.length + 1)
                 if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                     target.move_cache(torch.tensor(path, device=dev) + r.length, r.length, r.lane)
                 committed = [tokens[n] for n in path[1:]] + [bonus]

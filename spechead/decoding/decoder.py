@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from spechead.decoding.guard import Guard, GuardConfig
-from spechead.decoding.sampling import SamplingConfig, accept_greedy, accept_sampling, sample, target_probs
+from spechead.decoding.sampling import Draws, SamplingConfig, accept_greedy, accept_sampling
 from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
@@ -61,18 +61,16 @@ def check_prompt(prompt: list[int] | Tensor, max_len: int, vocab_size: int, devi
     return ids
 
 
-def choose(logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
-    """The target's token from one row of logits: its argmax, or a draw from its sampling distribution."""
-    return int(logits.argmax()) if cfg.greedy else sample(target_probs(logits, cfg), gen)
+def choose(logits: Tensor, cfg: SamplingConfig, draws: Draws | None, position: int) -> int:
+    """The target's token at ``position`` from one row of logits: its argmax, or its sampled token there."""
+    return int(logits.argmax()) if draws is None else draws.token(logits, cfg, position)
 
 
-def make_generator(cfg: SamplingConfig) -> torch.Generator | None:
-    """A request's own random stream (seeded when the request says so); None for greedy decoding."""
+def make_draws(cfg: SamplingConfig) -> Draws | None:
+    """A request's random draws (seeded when the request says so); None for greedy decoding."""
     if cfg.greedy:
         return None
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**63))
-    return gen
+    return Draws(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**63))
 
 
 def clip_round(new: list[int], done: int, max_new: int, stop_ids: set[int]) -> tuple[list[int], str | None]:
@@ -131,12 +129,6 @@ class Decoder:
     def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
         return check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
 
-    def _choose(self, logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
-        return choose(logits, cfg, gen)
-
-    def _generator(self, cfg: SamplingConfig) -> torch.Generator | None:
-        return make_generator(cfg)
-
     def _finish(self, new: list[int], out: list[int], max_new: int) -> tuple[list[int], str | None]:
         return clip_round(new, len(out), max_new, self.stop_ids)
 
@@ -175,10 +167,10 @@ class Decoder:
         yield from run(ids, max_new_tokens, cfg)
 
     def _autoregressive(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        tm, gen, t0 = Timers(), self._generator(cfg), time.perf_counter()
+        tm, draws, t0 = Timers(), make_draws(cfg), time.perf_counter()
         with tm("prefill", self.device):
             logits = self.target(ids, 0, logits_rows=slice(-1, None)).logits[-1]
-            tok = self._choose(logits, cfg, gen)
+            tok = choose(logits, cfg, draws, ids.numel())
         prefill_s = time.perf_counter() - t0
         out: list[int] = []
         length = ids.numel()
@@ -195,7 +187,7 @@ class Decoder:
                 break
             with tm("verify", self.device):
                 logits = self.target(torch.tensor([tok], device=self.device), length).logits[-1]
-                tok = self._choose(logits, cfg, gen)
+                tok = choose(logits, cfg, draws, length + 1)
             length += 1
         steps = length - ids.numel()
         yield GenerationResult(
@@ -205,14 +197,14 @@ class Decoder:
 
     def _speculative(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
         target, drafter, head, tree_cfg, guard = self.target, self.drafter, self.head, self.tree, self.guard
-        tm, gen, t0, dev = Timers(), self._generator(cfg), time.perf_counter(), self.device
+        tm, draws, t0, dev = Timers(), make_draws(cfg), time.perf_counter(), self.device
         head.timers.reset()
         guard.begin()
         want_aux = drafter.arch == "eagle3"
         with tm("prefill", dev):
             rows = slice(-head.prompt_logit_rows(ids.numel(), target.config), None)
             pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
-            root = self._choose(pre.logits[-1], cfg, gen)
+            root = choose(pre.logits[-1], cfg, draws, ids.numel())
             head.begin(ids, pre.logits if head.needs_prompt_logits else None)
             lookup = ContextLookup() if tree_cfg.lookup else None
             if lookup is not None:
@@ -237,7 +229,7 @@ class Decoder:
                 with tm("ar", dev):
                     tree_tokens = torch.tensor([root], device=dev)
                     vo = target(tree_tokens, length, want_aux=want_aux)
-                    committed, path_t = [self._choose(vo.logits[-1], cfg, gen)], None
+                    committed, path_t = [choose(vo.logits[-1], cfg, draws, length + 1)], None
             else:
                 # catch the drafter up on the accepted pairs; its cache then has `length` pairs
                 with tm("backbone", dev):
@@ -258,10 +250,10 @@ class Decoder:
                     children: list[list[int]] = [[] for _ in tokens]
                     for node, par in enumerate(tree.parents[1:], start=1):
                         children[par].append(node)
-                    if cfg.greedy:
+                    if draws is None:
                         path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
                     else:
-                        path, bonus = accept_sampling(tokens, children, vo.logits, cfg, gen)
+                        path, bonus = accept_sampling(tokens, children, vo.logits, cfg, draws, length + 1)
                     path_t = torch.tensor(path, device=dev)
                     if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                         target.move_cache(path_t + length, length)

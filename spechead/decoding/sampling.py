@@ -1,14 +1,18 @@
 """Target-side token choice: greedy, or sampling with temperature / top-k / top-p.
 
-Acceptance of a drafted tree under sampling uses the multi-candidate rejection rule for
-deterministic (point-mass) drafts: at each node the children are tried in turn, child x being
-accepted with probability p(x) under the current residual p; a rejected x gets p(x) = 0 and the
-residual is renormalised; if no child is accepted the bonus token is drawn from the residual. The
-token emitted at each position is then distributed exactly as the target's p, whatever the drafter.
+A request's randomness is one draw per sequence position (``Draws``): the token sampled at position t is the
+first arrival of independent exponential clocks with rates p_t(v) (the exponential-race form of the Gumbel-max
+trick), an exact draw from the target's p_t whose noise depends only on the request's seed and t. Acceptance of
+a drafted tree under sampling is then the greedy walk with that token in place of the argmax: a child is accepted
+when it is the token the target samples at its position. For point-mass drafts this accepts a child with the
+probability of the recursive rejection rule (the sum of p over the children tried) and emits tokens distributed
+exactly as the target's p, whatever the drafter; and since what is sampled at a position does not depend on how
+it was reached, a seeded request gives the same text as AR, whatever the tree, the batch or the guard.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +40,12 @@ class SamplingConfig:
 
 
 def target_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
-    """The distribution the target samples from: temperature, then top-k, then top-p (HF order)."""
-    z = logits.float() / cfg.temperature
+    """The distribution the target samples from: temperature, then top-k, then top-p (HF order). The row's maximum
+    is taken off before dividing, and the divisor is at least float32's smallest normal number, so a temperature
+    near 0 gives the argmax's point mass (dividing first overflowed to inf - inf = nan below ~1e-37, and a
+    temperature that rounds to 0 in float32 made 0 / 0: the sample failed)."""
+    z = logits.float()
+    z = (z - z.amax(dim=-1, keepdim=True)) / max(cfg.temperature, torch.finfo(torch.float32).tiny)
     if cfg.top_k:
         kth = z.topk(min(cfg.top_k, z.shape[-1]), dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -49,36 +57,49 @@ def target_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     return z.softmax(-1)
 
 
-def sample(p: Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=gen).item())
+class Draws:
+    """One request's random draws, one per sequence position (see the module docstring)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def token(self, logits: Tensor, cfg: SamplingConfig, position: int) -> int:
+        """The token the target samples at ``position`` (the number of tokens before it) from this row of logits."""
+        p = target_probs(logits, cfg)
+        gen = torch.Generator(device=p.device).manual_seed(_mix(self.seed, position))
+        clocks = torch.empty_like(p).exponential_(generator=gen)
+        return int((p / clocks).argmax())
 
 
-def accept_greedy(tokens: list[int], children: list[list[int]], argmax: list[int]) -> tuple[list[int], int]:
-    """Walk from the root while the target's argmax is a child. Returns (accepted nodes, bonus token)."""
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (seed, position): splitmix64's finaliser, so neighbouring positions' streams
+    share nothing."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
+
+
+def accept_walk(tokens: list[int], children: list[list[int]], want: Callable[[int, int], int]) -> tuple[list[int], int]:
+    """Walk from the root while the token the target picks at a node (``want(node, depth)``) is one of its children.
+    Returns (accepted nodes, bonus token)."""
     node, path = 0, [0]
     while True:
-        want = argmax[node]
-        nxt = next((c for c in children[node] if tokens[c] == want), None)
+        tok = want(node, len(path) - 1)
+        nxt = next((c for c in children[node] if tokens[c] == tok), None)
         if nxt is None:
-            return path, want
+            return path, tok
         node = nxt
         path.append(node)
 
 
+def accept_greedy(tokens: list[int], children: list[list[int]], argmax: list[int]) -> tuple[list[int], int]:
+    """The walk with the target's argmax at each node."""
+    return accept_walk(tokens, children, lambda node, _: argmax[node])
+
+
 def accept_sampling(
-    tokens: list[int], children: list[list[int]], logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None
+    tokens: list[int], children: list[list[int]], logits: Tensor, cfg: SamplingConfig, draws: Draws, first: int
 ) -> tuple[list[int], int]:
-    """Lossless multi-candidate acceptance of a deterministic draft tree (see module docstring)."""
-    node, path = 0, [0]
-    while True:
-        p = target_probs(logits[node], cfg)
-        for c in children[node]:
-            x = tokens[c]
-            px = float(p[x]) / float(p.sum())
-            if px > 0 and float(torch.rand((), generator=gen)) < px:
-                node = c
-                path.append(c)
-                break
-            p[x] = 0.0
-        else:
-            return path, sample(p / p.sum(), gen)
+    """The walk with the token the target samples at each node; the root's row picks position ``first``."""
+    return accept_walk(tokens, children, lambda node, depth: draws.token(logits[node], cfg, first + depth))

@@ -9,6 +9,7 @@ the route parameters' annotations at runtime.
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -56,7 +57,7 @@ def _extra(o: Outcome, head: str) -> dict[str, Any]:
         "seq": o.seq,
         "tau": round(o.tau, 4),
         "tokens_per_s": round(o.completion_tokens / max(o.decode_s, 1e-9), 2),
-        "head_stats": o.head_stats,
+        "head_stats": {k: v if math.isfinite(v) else None for k, v in o.head_stats.items()},  # JSON has no NaN
     }
 
 

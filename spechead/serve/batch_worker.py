@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from spechead.decoding.batch import BatchDecoder, BatchEvent
@@ -18,7 +19,7 @@ from spechead.model.drafter import Drafter
 from spechead.model.loading import DEMO_NAME
 from spechead.serve.schema import ApiError
 from spechead.serve.stream import TextStream
-from spechead.serve.worker import DecodeWorker, Job, Outcome
+from spechead.serve.worker import MAX_CACHED_DECODERS, DecodeWorker, Job, Outcome
 
 log = logging.getLogger("spechead.serve")
 MAX_BATCH = 64  # a server's KV cache holds max_len positions for every slot (64 x 2048 x 30 layers: 3.6 GB, demo)
@@ -54,7 +55,9 @@ class BatchWorker(DecodeWorker):
         self.capacity = max_batch
         self._batch: BatchDecoder | None = None
         self._live: dict[int, _Live] = {}
-        self._heads: dict[str, DraftHead] = {}  # stateless heads other than the default, shared by their requests
+        # stateless heads other than the default, shared by their requests; the least recently used go beyond a
+        # few (a request holds its own reference, so eviction never touches one in flight)
+        self._heads: OrderedDict[str, DraftHead] = OrderedDict()
         super().__init__(session, drafter, head, tree, queue_size, timeout, max_tokens, model_name)
 
     @staticmethod
@@ -81,6 +84,7 @@ class BatchWorker(DecodeWorker):
         if spec == self.default_head:
             return None
         if spec in self._heads:
+            self._heads.move_to_end(spec)
             return self._heads[spec]
         try:
             head = self.session.draft_head(self.drafter, spec)
@@ -88,6 +92,8 @@ class BatchWorker(DecodeWorker):
             raise ApiError(400, f"cannot build draft head {spec!r}: {type(e).__name__}: {e}", "head") from e
         if not head.per_round:
             self._heads[spec] = head
+            while len(self._heads) > MAX_CACHED_DECODERS:
+                self._heads.popitem(last=False)
         return head
 
     def close(self, wait: float = 10.0) -> None:
