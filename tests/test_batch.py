@@ -115,6 +115,12 @@ def test_a_request_cancelled_while_waiting_reports_its_end(tiny_small_vocab_dir)
         results.update((e.rid, e.result) for e in batch.step() if e.result is not None)
     assert results[waiting].stop_reason == "cancelled" and results[waiting].tokens == []
     assert results[first].tokens == dec.generate([1, 2, 3], 4, speculative=False).tokens
+    rid = batch.submit([1, 2, 3], 8)
+    batch.step()
+    assert batch.last_round == 1  # the server's occupancy metric: requests the round decoded
+    batch.cancel(rid)
+    [event] = batch.step()
+    assert batch.last_round == 0 and event.result.stop_reason == "cancelled" and not batch.busy
 
 
 @pytest.mark.once  # the acceptance rule, per request

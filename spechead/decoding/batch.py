@@ -143,6 +143,7 @@ class BatchDecoder:
                 self._lane_heads[0] = first
         self.waiting: deque[_Request] = deque()
         self.active: list[_Request] = []
+        self.last_round = 0  # requests the last step's round decoded (0: it ran none)
         self._next_rid = 0
         self.guard_cfg = guard if guard is not None and guard.enabled and drafter is not None else None
         self.guards: dict[int, Guard] = {}  # requests in a round -> its guard (no lean rung: the rule shrinks trees)
@@ -198,6 +199,7 @@ class BatchDecoder:
             events += self._join(r)
         for r in [r for r in self.active if r.length >= self.max_len]:
             events.append(self._leave(r, "context"))
+        self.last_round = len(self.active)
         if self.active:
             events += self._round(list(self.active))
         return events

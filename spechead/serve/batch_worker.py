@@ -151,10 +151,10 @@ class BatchWorker(DecodeWorker):
                 batch.step()  # drops the cancelled requests
                 self._release(list(self._live))
                 continue
-            occupancy = len({e.rid for e in events})
-            self.metrics.batch_occupancy.set(occupancy)
-            self.metrics.batch_rounds.inc()
-            self.metrics.batch_request_rounds.inc(occupancy)
+            if batch.last_round:  # (a step that only dropped cancelled requests ran no round)
+                self.metrics.batch_occupancy.set(batch.last_round)
+                self.metrics.batch_rounds.inc()
+                self.metrics.batch_request_rounds.inc(batch.last_round)
             for event in events:
                 self._on_event(event)
             self.metrics.busy.set(int(batch.busy))
