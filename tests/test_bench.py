@@ -317,3 +317,18 @@ def test_lowrank_without_its_drafter_uses_the_eagle3_twin(tiny_target, monkeypat
     low, where = bench.method_drafter(session, "lowrank", specs, cache)
     assert low is bench.method_drafter(session, "eagle3", specs, cache)[0] and "SVD" in where
     assert low.arch == "eagle3" and bench.method_drafter(session, "eagle2", specs, cache)[0].arch == "eagle2"
+
+
+def test_seeded_sampled_bench_counts_mismatches_and_finds_none(demo_session):
+    """Sampled with a seed, the engine's speculative text is AR's (draws per position), so the bench checks it as
+    it checks greedy text; without a seed each run draws its own, and nothing is compared."""
+    from spechead.bench.harness import run_bench
+
+    prompts = [{"id": 81, "category": "writing", "turns": ["Say hello.", "Again, in French."]}]
+    kw = dict(progress=False, warmup=0, drafters={"eagle3": "random", "lowrank": "random"}, guard=False)
+    kw["tree"] = TreeConfig(2, 1, 4, lookup=8)  # a fixed tree and no guard: speculative rounds whatever the CPU
+    out = run_bench(demo_session, prompts, ["ar", "eagle"], "demo", 12, SamplingConfig(0.9, seed=5), **kw)
+    m = out["methods"]["eagle"]
+    assert m["mismatches_vs_ar"] == 0 and m["new_tokens"] == out["methods"]["ar"]["new_tokens"] and m["tau"] > 1
+    unseeded = run_bench(demo_session, prompts, ["ar", "eagle"], "demo", 4, SamplingConfig(0.9), **kw)
+    assert "mismatches_vs_ar" not in unseeded["methods"]["eagle"]

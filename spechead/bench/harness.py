@@ -3,8 +3,8 @@
 Per method: tokens/s (mean over prompts of new tokens / wall time, Spec-Bench style, prefill
 included; and decode-only, prefill excluded), tau (mean tokens committed per target forward),
 speedups against ``ar`` and ``hf``, the per-round milliseconds of drafter backbone / head / gather /
-verification, head telemetry (NanoSpec's active size and coverage), ``mismatches_vs_ar`` (greedy
-prompts whose tokens differ from the engine's own AR output) and the memory each head holds.
+verification, head telemetry (NanoSpec's active size and coverage), ``mismatches_vs_ar`` (prompts whose
+tokens differ from the engine's own AR output: greedy, or sampled with ``--seed``) and the memory each head holds.
 Multi-turn prompts (MT-bench) run every turn: each method's own answer goes back into the
 conversation, as in Spec-Bench. ``hf`` is transformers' ``generate`` on the same weights and thread
 count, ``hf-pld`` its prompt-lookup decoding.
@@ -162,7 +162,9 @@ def make_report_data(
     summary: dict[str, Any] = {}
     for s in specs:
         rs = runs[s.name]
-        m = summarize(rs, ar_runs, sampling.greedy)
+        # the engine's seeded sampling is AR's text too (draws per position); transformers' sampler is another one
+        exact = sampling.greedy or (sampling.seed is not None and s.kind not in ("hf", "pld"))
+        m = summarize(rs, ar_runs, exact)
         m["method"] = s.kind if s.kind != "spec" else s.head
         if s.kind == "pld":  # generate() does not report its verification rounds
             m["tau"] = m["tau_median"] = float("nan")
@@ -173,7 +175,7 @@ def make_report_data(
                 cats.setdefault(group_of(p["category"]), []).append(i)
         m["per_category"] = {}
         for c, idx in cats.items():
-            cm = summarize([rs[i] for i in idx], [ar_runs[i] for i in idx] if ar_runs else None, sampling.greedy)
+            cm = summarize([rs[i] for i in idx], [ar_runs[i] for i in idx] if ar_runs else None, exact)
             keep = ("prompts", "tokens_per_s", "tokens_per_s_median", "decode_tokens_per_s", "tau", "round_ms")
             m["per_category"][c] = {k: v for k, v in cm.items() if k in keep or k in ("head_stats",)}
             if any(rs[i].trace for i in idx):
