@@ -256,3 +256,17 @@ def test_a_temperature_near_zero_samples_the_argmax(tiny_small_vocab_dir):
     greedy = dec.generate([1, 2], 12, speculative=False).tokens
     for t in (1e-45, 1e-300):
         assert dec.generate([1, 2], 12, SamplingConfig(t, seed=1)).tokens == greedy
+
+
+@pytest.mark.once
+def test_draws_never_share_noise_within_a_request_and_refuse_nan_logits():
+    """torch's CPU generator keeps 32 bits of a seed: positions' seeds are a bijection of base + position, so no two
+    positions of a request share their noise (hashed 64-bit seeds collided in their low words: seed 0 at positions
+    7,679 and 200,073); NaN logits are an error, not token 0."""
+    from spechead.decoding.sampling import Draws
+
+    for seed in (0, 1, 2**63 - 1):
+        d = Draws(seed)
+        assert len({d.seed_at(t) for t in range(250_000)}) == 250_000
+    with pytest.raises(RuntimeError, match="not finite"):
+        Draws(0).token(torch.full((8,), float("nan")), SamplingConfig(1.0), 0)

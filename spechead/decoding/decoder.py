@@ -13,6 +13,7 @@ target step as ``_autoregressive``, so the output is unchanged), then probes spe
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ def make_draws(cfg: SamplingConfig) -> Draws | None:
     """A request's random draws (seeded when the request says so); None for greedy decoding."""
     if cfg.greedy:
         return None
-    return Draws(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**63))
+    return Draws(cfg.seed if cfg.seed is not None else secrets.randbits(63))  # (torch.seed() reseeds the global RNG)
 
 
 def clip_round(new: list[int], done: int, max_new: int, stop_ids: set[int]) -> tuple[list[int], str | None]:

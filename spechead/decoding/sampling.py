@@ -61,23 +61,39 @@ class Draws:
     """One request's random draws, one per sequence position (see the module docstring)."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
+        self.base = _mix(seed)
 
     def token(self, logits: Tensor, cfg: SamplingConfig, position: int) -> int:
         """The token the target samples at ``position`` (the number of tokens before it) from this row of logits."""
         p = target_probs(logits, cfg)
-        gen = torch.Generator(device=p.device).manual_seed(_mix(self.seed, position))
-        clocks = torch.empty_like(p).exponential_(generator=gen)
-        return int((p / clocks).argmax())
+        if not bool(torch.isfinite(p).all()):
+            raise RuntimeError("the target's logits are not finite: nothing can be sampled from them")
+        gen = torch.Generator(device=p.device).manual_seed(self.seed_at(position))
+        # float64 clocks: a float32 draw (CUDA's has 24 bits) would all but never pick a token of p below ~1e-7
+        clocks = torch.empty(p.shape, dtype=torch.float64, device=p.device).exponential_(generator=gen)
+        return int((p.double() / clocks).argmax())
+
+    def seed_at(self, position: int) -> int:
+        """The generator seed for ``position``: 32 bits (torch's CPU generator keeps no more of a seed), a bijection of
+        the request's base plus the position, so no two positions of a request below 2^32 share their noise."""
+        return _fmix32((self.base + position) & 0xFFFFFFFF)
 
 
-def _mix(seed: int, position: int) -> int:
-    """A 63-bit generator seed for (seed, position): splitmix64's finaliser, so neighbouring positions' streams
-    share nothing."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+def _mix(seed: int) -> int:
+    """splitmix64's finaliser: a request's 64-bit base from its seed (neighbouring seeds share nothing)."""
+    z = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return (z ^ (z >> 31)) >> 1
+    return z ^ (z >> 31)
+
+
+def _fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser: a bijection of [0, 2^32) that scatters neighbouring values."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
 
 
 def accept_walk(tokens: list[int], children: list[list[int]], want: Callable[[int, int], int]) -> tuple[list[int], int]:
