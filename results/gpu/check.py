@@ -1,7 +1,8 @@
 """The prepared GPU check (run it when a task is lent a GPU; CI has none): spechead's device-agnostic paths on CUDA.
 
 1. Lossless decoding on the GPU: a tiny random Llama target and random EAGLE-2 / EAGLE-3 drafters on the device,
-   every draft head, a tree with the lookup branch: speculative greedy output equals the device's own AR output.
+   every draft head, a tree with the lookup branch: speculative greedy output, and seeded sampled output, equal the
+   device's own AR output.
 2. Drafter training there: the skip-on-CPU tests of ``train-drafter --online`` and ``extract --device`` on the device.
 
     python results/gpu/check.py --device cuda      (about a minute; --device cpu rehearses it anywhere)
@@ -23,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from conftest import write_tiny_llama  # noqa: E402
 
 from spechead.decoding.decoder import Decoder  # noqa: E402
+from spechead.decoding.sampling import SamplingConfig  # noqa: E402
 from spechead.decoding.tree import TreeConfig  # noqa: E402
 from spechead.errors import SpecheadError  # noqa: E402
 from spechead.heads.base import make_head  # noqa: E402
@@ -48,11 +50,13 @@ def lossless(device: str) -> int:
             dec = Decoder(target, drafter, head, TreeConfig.parse("2x2x5+lookup:4"), 160, None, None)
             g = torch.Generator().manual_seed(3)
             same, longest = True, 0
-            for _ in range(4):
+            for i in range(4):
                 prompt = torch.randint(0, 16, (int(torch.randint(4, 24, (1,), generator=g)),), generator=g)
                 ar, spec_out = dec.generate(prompt, 48, speculative=False), dec.generate(prompt, 48)
                 same &= ar.tokens == spec_out.tokens
                 longest = max(longest, max(spec_out.accept_lengths))
+                hot = SamplingConfig(1.0, top_p=0.95, seed=i)  # seeded sampling: the device generator's draws
+                same &= dec.generate(prompt, 48, hot, speculative=False).tokens == dec.generate(prompt, 48, hot).tokens
             failures += not same
             print(f"{arch} {spec}: {'lossless' if same else 'MISMATCH'} on {device}, longest round {longest}")
     return failures
