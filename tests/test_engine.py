@@ -266,7 +266,7 @@ def test_draws_never_share_noise_within_a_request_and_refuse_nan_logits():
     from spechead.decoding.sampling import Draws
 
     for seed in (0, 1, 2**63 - 1):
-        d = Draws(seed)
+        d = Draws(seed, SamplingConfig(1.0))
         assert len({d.seed_at(t) for t in range(250_000)}) == 250_000
     with pytest.raises(RuntimeError, match="not finite"):
-        Draws(0).token(torch.full((8,), float("nan")), SamplingConfig(1.0), 0)
+        Draws(0, SamplingConfig(1.0)).token(torch.full((8,), float("nan")), 0)

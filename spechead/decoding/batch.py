@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from spechead.decoding.decoder import GenerationResult, check_prompt, choose, clip_round, make_draws
+from spechead.decoding.decoder import GenerationResult, check_prompt, clip_round
 from spechead.decoding.guard import Guard, GuardConfig
-from spechead.decoding.sampling import Draws, SamplingConfig, accept_greedy, accept_sampling
+from spechead.decoding.sampling import Draws, SamplingConfig, accept, choose, make_draws
 from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
@@ -71,8 +71,7 @@ class _Request:
     rid: int
     ids: Tensor
     max_new: int
-    sampling: SamplingConfig
-    draws: Draws | None
+    draws: Draws | None  # None: greedy
     submitted: float
     lane: int = -1
     head: DraftHead | None = None
@@ -162,9 +161,9 @@ class BatchDecoder:
         ids = check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
         if max_new_tokens < 1:
             raise SpecheadError("max_new_tokens must be >= 1")
-        cfg = sampling or SamplingConfig()
         rid, self._next_rid = self._next_rid, self._next_rid + 1
-        request = _Request(rid, ids, max_new_tokens, cfg, make_draws(cfg), time.perf_counter(), head=head)
+        draws = make_draws(sampling or SamplingConfig())
+        request = _Request(rid, ids, max_new_tokens, draws, time.perf_counter(), head=head)
         self.waiting.append(request)
         return rid
 
@@ -235,7 +234,7 @@ class BatchDecoder:
                 want_aux = drafter.arch == "eagle3"
                 pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=rows)], want_aux)[0]
                 r.head.begin(r.ids, pre.logits if r.head.needs_prompt_logits else None)
-            r.root = choose(pre.logits[-1], r.sampling, r.draws, r.ids.numel())
+            r.root = choose(pre.logits[-1], r.draws, r.ids.numel())
         r.prefill_s, r.length = time.perf_counter() - t0, r.ids.numel()
         if drafter is not None:
             r.feats, r.next_tokens = [drafter.target_features(pre)], r.ids[1:].tolist() + [r.root]
@@ -333,17 +332,9 @@ class BatchDecoder:
         events = []
         for r, tree, vo in zip(reqs, trees, outs, strict=True):
             with tm("accept", dev):
-                tokens = tree.tokens.tolist()
-                children: list[list[int]] = [[] for _ in tokens]
-                for node, par in enumerate(tree.parents[1:], start=1):
-                    children[par].append(node)
-                if r.draws is None:
-                    path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
-                else:
-                    path, bonus = accept_sampling(tokens, children, vo.logits, r.sampling, r.draws, r.length + 1)
+                path, committed = accept(tree.tokens.tolist(), tree.parents, vo.logits, r.draws, r.length + 1)
                 if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                     target.move_cache(torch.tensor(path, device=dev) + r.length, r.length, r.lane)
-                committed = [tokens[n] for n in path[1:]] + [bonus]
             r.rounds += 1
             if drafter is not None:  # an AR round too: the head sees a one-node tree, the drafter gets its pair
                 with tm("observe", dev):

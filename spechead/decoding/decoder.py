@@ -13,7 +13,6 @@ target step as ``_autoregressive``, so the output is unchanged), then probes spe
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch
 from torch import Tensor
 
 from spechead.decoding.guard import Guard, GuardConfig
-from spechead.decoding.sampling import Draws, SamplingConfig, accept_greedy, accept_sampling
+from spechead.decoding.sampling import SamplingConfig, accept, choose, make_draws
 from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, graft
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
@@ -60,18 +59,6 @@ def check_prompt(prompt: list[int] | Tensor, max_len: int, vocab_size: int, devi
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise SpecheadError("prompt contains token ids outside the vocabulary")
     return ids
-
-
-def choose(logits: Tensor, cfg: SamplingConfig, draws: Draws | None, position: int) -> int:
-    """The target's token at ``position`` from one row of logits: its argmax, or its sampled token there."""
-    return int(logits.argmax()) if draws is None else draws.token(logits, cfg, position)
-
-
-def make_draws(cfg: SamplingConfig) -> Draws | None:
-    """A request's random draws (seeded when the request says so); None for greedy decoding."""
-    if cfg.greedy:
-        return None
-    return Draws(cfg.seed if cfg.seed is not None else secrets.randbits(63))  # (torch.seed() reseeds the global RNG)
 
 
 def clip_round(new: list[int], done: int, max_new: int, stop_ids: set[int]) -> tuple[list[int], str | None]:
@@ -171,7 +158,7 @@ class Decoder:
         tm, draws, t0 = Timers(), make_draws(cfg), time.perf_counter()
         with tm("prefill", self.device):
             logits = self.target(ids, 0, logits_rows=slice(-1, None)).logits[-1]
-            tok = choose(logits, cfg, draws, ids.numel())
+            tok = choose(logits, draws, ids.numel())
         prefill_s = time.perf_counter() - t0
         out: list[int] = []
         length = ids.numel()
@@ -188,7 +175,7 @@ class Decoder:
                 break
             with tm("verify", self.device):
                 logits = self.target(torch.tensor([tok], device=self.device), length).logits[-1]
-                tok = choose(logits, cfg, draws, length + 1)
+                tok = choose(logits, draws, length + 1)
             length += 1
         steps = length - ids.numel()
         yield GenerationResult(
@@ -205,7 +192,7 @@ class Decoder:
         with tm("prefill", dev):
             rows = slice(-head.prompt_logit_rows(ids.numel(), target.config), None)
             pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
-            root = choose(pre.logits[-1], cfg, draws, ids.numel())
+            root = choose(pre.logits[-1], draws, ids.numel())
             head.begin(ids, pre.logits if head.needs_prompt_logits else None)
             lookup = ContextLookup() if tree_cfg.lookup else None
             if lookup is not None:
@@ -230,7 +217,7 @@ class Decoder:
                 with tm("ar", dev):
                     tree_tokens = torch.tensor([root], device=dev)
                     vo = target(tree_tokens, length, want_aux=want_aux)
-                    committed, path_t = [choose(vo.logits[-1], cfg, draws, length + 1)], None
+                    committed, path_t = [choose(vo.logits[-1], draws, length + 1)], None
             else:
                 # catch the drafter up on the accepted pairs; its cache then has `length` pairs
                 with tm("backbone", dev):
@@ -247,18 +234,11 @@ class Decoder:
                 with tm("verify", dev):
                     mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
                     vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)
-                    tokens = tree.tokens.tolist()
-                    children: list[list[int]] = [[] for _ in tokens]
-                    for node, par in enumerate(tree.parents[1:], start=1):
-                        children[par].append(node)
-                    if draws is None:
-                        path, bonus = accept_greedy(tokens, children, vo.logits.argmax(-1).tolist())
-                    else:
-                        path, bonus = accept_sampling(tokens, children, vo.logits, cfg, draws, length + 1)
+                    path, committed = accept(tree.tokens.tolist(), tree.parents, vo.logits, draws, length + 1)
                     path_t = torch.tensor(path, device=dev)
                     if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
                         target.move_cache(path_t + length, length)
-                committed, tree_tokens = [tokens[n] for n in path[1:]] + [bonus], tree.tokens
+                tree_tokens = tree.tokens
             with tm("observe", dev):  # context-aware heads update here (NanoSpec's Ext source)
                 head.observe(tree_tokens, vo.logits, committed)
             f = drafter.target_features(vo)

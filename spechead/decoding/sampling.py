@@ -12,7 +12,7 @@ it was reached, a seeded request gives the same text as AR, whatever the tree, t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +58,15 @@ def target_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
 
 
 class Draws:
-    """One request's random draws, one per sequence position (see the module docstring)."""
+    """One request's random draws under its sampling settings, one per sequence position (see the module
+    docstring)."""
 
-    def __init__(self, seed: int) -> None:
-        self.base = _mix(seed)
+    def __init__(self, seed: int, cfg: SamplingConfig) -> None:
+        self.base, self.cfg = _mix(seed), cfg
 
-    def token(self, logits: Tensor, cfg: SamplingConfig, position: int) -> int:
+    def token(self, logits: Tensor, position: int) -> int:
         """The token the target samples at ``position`` (the number of tokens before it) from this row of logits."""
-        p = target_probs(logits, cfg)
+        p = target_probs(logits, self.cfg)
         if not bool(torch.isfinite(p).all()):
             raise RuntimeError("the target's logits are not finite: nothing can be sampled from them")
         gen = torch.Generator(device=p.device).manual_seed(self.seed_at(position))
@@ -96,26 +97,33 @@ def _fmix32(h: int) -> int:
     return h ^ (h >> 16)
 
 
-def accept_walk(tokens: list[int], children: list[list[int]], want: Callable[[int, int], int]) -> tuple[list[int], int]:
-    """Walk from the root while the token the target picks at a node (``want(node, depth)``) is one of its children.
-    Returns (accepted nodes, bonus token)."""
+def make_draws(cfg: SamplingConfig) -> Draws | None:
+    """A request's random draws (seeded when the request says so); None for greedy decoding."""
+    if cfg.greedy:
+        return None
+    return Draws(cfg.seed if cfg.seed is not None else secrets.randbits(63), cfg)  # (torch.seed() reseeds torch's RNG)
+
+
+def choose(logits: Tensor, draws: Draws | None, position: int) -> int:
+    """The target's token at ``position`` from one row of logits: its argmax, or its sampled token there."""
+    return int(logits.argmax()) if draws is None else draws.token(logits, position)
+
+
+def accept(
+    tokens: list[int], parents: list[int], logits: Tensor, draws: Draws | None, first: int
+) -> tuple[list[int], list[int]]:
+    """A verified tree's accepted path (node indices from the root) and the tokens it commits (the path's drafts
+    and the bonus): walk from the root while the token the target picks at a node (its argmax, or the token it
+    samples at that node's position, the root's being ``first``) is one of the node's children."""
+    children: list[list[int]] = [[] for _ in tokens]
+    for node, par in enumerate(parents[1:], start=1):
+        children[par].append(node)
+    argmax = logits.argmax(-1).tolist() if draws is None else []  # one pass over every row, greedy
     node, path = 0, [0]
     while True:
-        tok = want(node, len(path) - 1)
+        tok = argmax[node] if draws is None else draws.token(logits[node], first + len(path) - 1)
         nxt = next((c for c in children[node] if tokens[c] == tok), None)
         if nxt is None:
-            return path, tok
+            return path, [tokens[n] for n in path[1:]] + [tok]
         node = nxt
         path.append(node)
-
-
-def accept_greedy(tokens: list[int], children: list[list[int]], argmax: list[int]) -> tuple[list[int], int]:
-    """The walk with the target's argmax at each node."""
-    return accept_walk(tokens, children, lambda node, _: argmax[node])
-
-
-def accept_sampling(
-    tokens: list[int], children: list[list[int]], logits: Tensor, cfg: SamplingConfig, draws: Draws, first: int
-) -> tuple[list[int], int]:
-    """The walk with the token the target samples at each node; the root's row picks position ``first``."""
-    return accept_walk(tokens, children, lambda node, depth: draws.token(logits[node], cfg, first + depth))
