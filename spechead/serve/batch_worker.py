@@ -86,10 +86,7 @@ class BatchWorker(DecodeWorker):
         if spec in self._heads:
             self._heads.move_to_end(spec)
             return self._heads[spec]
-        try:
-            head = self.session.draft_head(self.drafter, spec)
-        except Exception as e:  # the head spec is user input: a bad argument is the request's fault
-            raise ApiError(400, f"cannot build draft head {spec!r}: {type(e).__name__}: {e}", "head") from e
+        head = self.build_head(spec)
         if not head.per_round:
             self._heads[spec] = head
             while len(self._heads) > MAX_CACHED_DECODERS:

@@ -18,6 +18,7 @@ from spechead.decoding.decoder import Decoder, GenerationResult
 from spechead.decoding.session import AUTO_TREE, Session
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
+from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
 from spechead.model.loading import DEMO_NAME
 from spechead.model.tokenizer import encode_text
@@ -246,11 +247,15 @@ class DecodeWorker:
         worker thread builds its own. Runs in a helper thread (``asyncio.to_thread``)."""
         if spec == self.default_head or spec in self._heads_ok:
             return
+        self.build_head(spec)
+        self._heads_ok.add(spec)
+
+    def build_head(self, spec: str) -> DraftHead:
+        """A request's draft head; a spec that cannot be built on this drafter is the request's fault (400)."""
         try:
-            self.session.draft_head(self.drafter, spec)
+            return self.session.draft_head(self.drafter, spec)
         except Exception as e:  # the head spec is user input: a bad argument is the request's fault
             raise ApiError(400, f"cannot build draft head {spec!r}: {type(e).__name__}: {e}", "head") from e
-        self._heads_ok.add(spec)
 
     def _decoder(self, head: str) -> Decoder:
         """Decoders per head spec, least recently used dropped; all share the target and its KV cache,
