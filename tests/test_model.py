@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import write_tiny_llama
 
 from spechead import kernels
 from spechead.errors import SpecheadError
@@ -160,3 +161,24 @@ def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
 
     got, want = (load_file(f / "model.safetensors") for f in (out, resolve_target("demo")))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_prompt_takes_the_same_path_however_wide_the_layouts(tmp_path):
+    """A batched decoder lays the target out for batch x tree rows (hundreds): a prompt of that many tokens
+    took the kernel there and F.linear under AR's layout, so the batched server's text could start from other
+    bits than `spechead generate`'s. A prompt's path now depends on its length only; a verification's rows
+    still take the widened kernel."""
+    # wide enough (K = 256) that the kernel's and MKL's sums differ in their last bits
+    target, _ = load_target(str(write_tiny_llama(tmp_path, vocab=256, layers=2, hidden=256)))
+    target.setup_cache(400)
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        target.prepack(1)
+        narrow = target(ids, 0)
+        target.prepack(600)
+        wide = target(ids, 0)
+        assert torch.equal(narrow.logits, wide.logits) and torch.equal(narrow.hidden, wide.hidden)
+        if kernels.available():  # outside a prompt, 300 rows take the widened kernel: each row as alone
+            h = wide.hidden
+            together = target.lm_head(h)
+            assert all(torch.equal(target.lm_head(h[i : i + 1])[0], together[i]) for i in (0, 150, 299))

@@ -4,6 +4,9 @@ where only that does, else F.linear; ``BlockedWeight`` is the kernel's weight la
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,21 @@ from torch import Tensor, nn
 
 from spechead import kernels
 from spechead.kernels import LANES
+
+_PROMPT = ContextVar("spechead_prompt_rows", default=False)
+
+
+@contextmanager
+def prompt_rows() -> Iterator[None]:
+    """Calls made inside take the path a prompt of their row count takes however wide the layouts were made
+    (the kernel up to its dtype's default reach, else F.linear): a prompt's KV and logits then do not depend on
+    the tree or batch a decoder laid the target out for, so AR, a tree and a batched server start from the same
+    bits. Decode steps and verifications stay outside: their rows must take the kernel to match each other."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
 
 
 class BlockedWeight:
@@ -155,6 +173,7 @@ class PackedLinear(nn.Module):
         # the kernel serves calls of up to this many rows (None: every call)
         reach = self.KERNEL_ROWS_FP32 if weight.dtype == torch.float32 else self.KERNEL_ROWS
         self.max_rows = reach if shared else None
+        self.prompt_rows = self.max_rows  # a prompt's reach (``prompt_rows``): never widened by ``pack``
         self.out_dtype = None if shared else torch.float32  # None: the input's dtype
         if shared:  # a model's projection (``from_linear``)
             self.weight, self.bias = weight, bias
@@ -215,7 +234,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.max_rows is not None and not self._layouts_current(x):  # (a head's own product never trains)
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-        if self.blocked is not None and (self.max_rows is None or (x.dim() == 2 and x.shape[0] <= self.max_rows)):
+        reach = self.prompt_rows if _PROMPT.get() else self.max_rows
+        if self.blocked is not None and (reach is None or (x.dim() == 2 and x.shape[0] <= reach)):
             y = self.blocked(x)
             if self.bias is not None:
                 y = y + self.bias

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from spechead import kernels
-from spechead.kernels.linear import PackedLinear, prepack_linears
+from spechead.kernels.linear import PackedLinear, prepack_linears, prompt_rows
 from spechead.model.config import ModelConfig
 from spechead.model.layers import (
     KERNEL_ROWS,
@@ -195,7 +195,15 @@ class Transformer(nn.Module):
         """Several requests' rows in one forward, each on its own cache lane: every projection (and the LM head)
         runs once over all rows, attention once per request as in ``forward``, so each part's output is what
         ``forward`` would give it alone (bitwise, where the projections' kernel runs: its results do not
-        depend on the row count)."""
+        depend on the row count). A call whose parts all start at slot 0 is a prompt's prefill: its projections
+        take the path a prompt of its length takes whatever the layouts' width (``kernels.linear.prompt_rows``),
+        so a prompt gives the same bits under AR, any tree and any batch (decoders prefill a prompt alone)."""
+        if all(p.start == 0 for p in parts):
+            with prompt_rows():
+                return self._forward_batch(parts, want_aux)
+        return self._forward_batch(parts, want_aux)
+
+    def _forward_batch(self, parts: list[BatchPart], want_aux: bool) -> list[TargetOutput]:
         if self.rotary is None:
             raise RuntimeError("call setup_cache() before forward()")
         segments, local_segments, positions, row0 = [], [], [], 0
