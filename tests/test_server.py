@@ -285,6 +285,50 @@ def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
         loop.close()
 
 
+def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
+    """The batched worker answers a stop string before the decoder's result exists; its tau was then 1.0
+    whatever the rounds accepted. It is now the mean accept length of the rounds its events reported."""
+    import asyncio
+
+    from spechead.decoding.sampling import SamplingConfig
+    from spechead.decoding.session import resolve_drafter
+    from spechead.decoding.tree import TreeConfig
+    from spechead.serve.batch_worker import BatchWorker
+    from spechead.serve.schema import Params
+    from spechead.serve.worker import Job
+
+    drafter = resolve_drafter("demo", demo_session.target)
+    w = BatchWorker(demo_session, drafter, tree=TreeConfig(2, 1, 4, lookup=8), max_batch=2)
+    loop = asyncio.new_event_loop()
+    ids = demo_session.encode("Repeat this line four times: red green blue yellow red green blue yellow")
+
+    def run(stop: list[str]) -> tuple[str, object]:
+        job = Job(Params(ids, 40, SamplingConfig(), stop, "full", False, False), loop, 120)
+        w.submit(job)
+        wait_until(lambda: job.done, "the reply", limit=120)
+        events = loop.run_until_complete(asyncio.wait_for(_drain(job.events), 5))
+        return "".join(p for k, p in events if k == "text"), next(p for k, p in events if k == "done")
+
+    try:
+        full, whole = run([])
+        assert whole.tau > 1.2  # a repeated line: the lookup branch accepts
+        stop = full[len(full) // 2 : len(full) // 2 + 6]
+        text, cut = run([stop])
+        assert text == full[: full.find(stop)] and cut.finish_reason == "stop"
+        assert cut.tau > 1.2
+    finally:
+        w.close()
+        loop.close()
+
+
+async def _drain(queue) -> list:
+    """Every event a finished job emitted (its last is ``done``)."""
+    out = []
+    while not out or out[-1][0] != "done":
+        out.append(await queue.get())
+    return out
+
+
 def test_errors_in_openai_format(server):
     client, http = server.client(), server.http
     r = http.post("/v1/chat/completions", content=b'{"model": "x", ', headers={"content-type": "application/json"})

@@ -64,6 +64,7 @@ class BatchEvent:
     rid: int
     tokens: list[int]
     result: GenerationResult | None = None
+    accepted: int | None = None  # a speculative round's accept length (None: an AR step, a prefill, a leave)
 
 
 @dataclass
@@ -255,7 +256,7 @@ class BatchDecoder:
             r.lookup.extend(new)
         if reason is not None:
             return self._leave(r, reason, new)
-        return BatchEvent(r.rid, new)
+        return BatchEvent(r.rid, new, accepted=len(new) if spec else None)
 
     def _leave(self, r: _Request, reason: str, new: list[int] | None = None) -> BatchEvent:
         (self.active if r.lane >= 0 else self.waiting).remove(r)

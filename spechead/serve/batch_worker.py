@@ -33,6 +33,7 @@ class _Live:
     text: TextStream
     started: float
     tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # its speculative rounds' accept lengths so far
     stopped_by_text: bool = False
 
 
@@ -169,6 +170,8 @@ class BatchWorker(DecodeWorker):
             return
         job, m = live.job, self.metrics
         live.tokens += event.tokens
+        if event.accepted is not None:
+            live.accepted.append(event.accepted)
         if not job.cancelled.is_set() and not live.stopped_by_text and event.tokens:
             piece = live.text.push(live.tokens)
             if piece:
@@ -193,7 +196,8 @@ class BatchWorker(DecodeWorker):
         if piece:
             job.emit("text", piece)
         decode_s = time.perf_counter() - live.started
-        tau = result.tau if result is not None else 1.0
+        # (a stop string answers before the decoder's result: tau from the rounds its events reported)
+        tau = result.tau if result is not None else sum(live.accepted) / len(live.accepted) if live.accepted else 1.0
         stats = dict(result.head_stats) if result is not None else {}
         out = Outcome(job.seq, reason, len(job.params.prompt_ids), len(live.tokens), tau, decode_s, stats)
         m.tokens_per_s.set(out.completion_tokens / max(decode_s, 1e-9))
