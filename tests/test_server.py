@@ -287,7 +287,8 @@ def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
 
 def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
     """The batched worker answers a stop string before the decoder's result exists; its tau was then 1.0
-    whatever the rounds accepted. It is now the mean accept length of the rounds its events reported."""
+    whatever the rounds accepted. It is now the mean accept length of the rounds its events reported. Its
+    Retry-After estimate learns each request's time in the batch (it stayed at 1 s)."""
     import asyncio
 
     from spechead.decoding.sampling import SamplingConfig
@@ -312,6 +313,7 @@ def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
     try:
         full, whole = run([])
         assert whole.tau > 1.2  # a repeated line: the lookup branch accepts
+        assert w._service_s == pytest.approx(0.8 + 0.2 * whole.decode_s)  # Retry-After learns (it stayed 1 s)
         stop = full[len(full) // 2 : len(full) // 2 + 6]
         text, cut = run([stop])
         assert text == full[: full.find(stop)] and cut.finish_reason == "stop"

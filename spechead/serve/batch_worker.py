@@ -196,6 +196,8 @@ class BatchWorker(DecodeWorker):
         if piece:
             job.emit("text", piece)
         decode_s = time.perf_counter() - live.started
+        with self._cv:  # Retry-After: capacity requests decode at once, each for about this long
+            self._service_s = 0.8 * self._service_s + 0.2 * decode_s
         # (a stop string answers before the decoder's result: tau from the rounds its events reported)
         tau = result.tau if result is not None else sum(live.accepted) / len(live.accepted) if live.accepted else 1.0
         stats = dict(result.head_stats) if result is not None else {}

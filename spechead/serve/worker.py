@@ -98,7 +98,7 @@ class DecodeWorker:
         self._running: Job | None = None
         self._taken = 0  # requests the worker has taken up, for Outcome.seq
         self._closed = False
-        self._service_s = 1.0  # moving average of decode time, for Retry-After
+        self._service_s = 1.0  # moving average of a request's time in the decoder, for Retry-After
         self._thread = threading.Thread(target=self._work, name="spechead-decoder", daemon=True)
         self._thread.start()
 
