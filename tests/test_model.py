@@ -166,8 +166,8 @@ def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
 def test_a_prompt_takes_the_same_path_however_wide_the_layouts(tmp_path):
     """A batched decoder lays the target out for batch x tree rows (hundreds): a prompt of that many tokens
     took the kernel there and F.linear under AR's layout, so the batched server's text could start from other
-    bits than `spechead generate`'s. A prompt's path now depends on its length only; a verification's rows
-    still take the widened kernel."""
+    bits than `spechead generate`'s. A prompt's projections now take a path that depends on its length only;
+    a verification's rows, and the LM head's at any count, take the kernel."""
     # wide enough (K = 256) that the kernel's and MKL's sums differ in their last bits
     target, _ = load_target(str(write_tiny_llama(tmp_path, vocab=256, layers=2, hidden=256)))
     target.setup_cache(400)
@@ -178,6 +178,9 @@ def test_a_prompt_takes_the_same_path_however_wide_the_layouts(tmp_path):
         target.prepack(600)
         wide = target(ids, 0)
         assert torch.equal(narrow.logits, wide.logits) and torch.equal(narrow.hidden, wide.hidden)
+        # a head that asks for every prompt row (NanoSpec's top-k over the prompt) gets AR's bits in the last
+        # one, on which the first token is chosen: the LM head's rows are a decode step's at any row count
+        assert torch.equal(target(ids, 0, logits_rows=slice(-1, None)).logits[-1], wide.logits[-1])
         if kernels.available():  # outside a prompt, 300 rows take the widened kernel: each row as alone
             h = wide.hidden
             together = target.lm_head(h)

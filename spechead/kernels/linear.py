@@ -174,6 +174,9 @@ class PackedLinear(nn.Module):
         reach = self.KERNEL_ROWS_FP32 if weight.dtype == torch.float32 else self.KERNEL_ROWS
         self.max_rows = reach if shared else None
         self.prompt_rows = self.max_rows  # a prompt's reach (``prompt_rows``): never widened by ``pack``
+        # a target's LM head: every call on the kernel, whatever its rows, so a prompt's last row gives AR's
+        # bits even when a head asks for many prompt rows (``Transformer.prepack`` sets it)
+        self.every_row = False
         self.out_dtype = None if shared else torch.float32  # None: the input's dtype
         if shared:  # a model's projection (``from_linear``)
             self.weight, self.bias = weight, bias
@@ -231,18 +234,25 @@ class PackedLinear(nn.Module):
                 self.pack(r)
         return True
 
+    def takes_kernel(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs on the kernel: up to the widened reach, a prompt's rows up to
+        the default one (``prompt_rows``), every call for a head's own product or the target's LM head."""
+        if self.blocked is None:
+            return False
+        reach = None if self.every_row else self.prompt_rows if _PROMPT.get() else self.max_rows
+        return reach is None or rows <= reach
+
     def forward(self, x: Tensor) -> Tensor:
         if self.max_rows is not None and not self._layouts_current(x):  # (a head's own product never trains)
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-        reach = self.prompt_rows if _PROMPT.get() else self.max_rows
-        if self.blocked is not None and (reach is None or (x.dim() == 2 and x.shape[0] <= reach)):
+        if self.blocked is not None and (self.max_rows is None or x.dim() == 2) and self.takes_kernel(x.shape[0]):
             y = self.blocked(x)
             if self.bias is not None:
                 y = y + self.bias
             return y.to(self.out_dtype or x.dtype)
         # (looked up only when MKL packing is in use: a dict lookup by a traced row count makes
         # torch.compile specialise on it and recompile for every prompt length)
-        packed = self.packed.get(x.shape[0]) if self.packed and x.dim() == 2 else None
+        packed = self.packed.get(x.shape[0]) if self.packed and x.dim() == 2 and not _PROMPT.get() else None
         if packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(self.out_dtype or x.dtype)

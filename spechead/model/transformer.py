@@ -105,7 +105,10 @@ class Transformer(nn.Module):
         a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
         layout applies. Idempotent; see ``kernels.linear.PackedLinear`` for why."""
         self._fused = None
-        return prepack_linears(self, self.lm_head.weight, rows)
+        laid_out = prepack_linears(self, self.lm_head.weight, rows)
+        if isinstance(self.lm_head, PackedLinear):
+            self.lm_head.every_row = True
+        return laid_out
 
     def window(self, start: int, positions: Tensor, mask: Tensor | None) -> tuple[int, Tensor | None]:
         """The sliding-window layers' view of slots [0, start+T): (first slot read, mask over the slots read).
@@ -132,8 +135,7 @@ class Transformer(nn.Module):
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if (
             not isinstance(qkv, PackedLinear)
-            or qkv.blocked is None
-            or x.shape[0] > (qkv.max_rows or 0)
+            or not qkv.takes_kernel(x.shape[0])
             or any(s.t > KERNEL_ROWS for s in segments)
             or not kernel_rows(x)
         ):
