@@ -285,9 +285,11 @@ def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
         loop.close()
 
 
-def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
-    """The batched worker answers a stop string before the decoder's result exists; its tau was then 1.0
-    whatever the rounds accepted. It is now the mean accept length of the rounds its events reported. Its
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "batch1"])
+def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session, batched):
+    """A stop string ends a reply before the decoder's result exists. The batched worker then said tau 1.0
+    whatever the rounds accepted, the batch-1 worker counted the guard's AR steps as rounds; both now report
+    the mean accept length of the speculative rounds run, as a finished reply does. The batched worker's
     Retry-After estimate learns each request's time in the batch (it stayed at 1 s)."""
     import asyncio
 
@@ -296,10 +298,14 @@ def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
     from spechead.decoding.tree import TreeConfig
     from spechead.serve.batch_worker import BatchWorker
     from spechead.serve.schema import Params
-    from spechead.serve.worker import Job
+    from spechead.serve.worker import DecodeWorker, Job
 
-    drafter = resolve_drafter("demo", demo_session.target)
-    w = BatchWorker(demo_session, drafter, tree=TreeConfig(2, 1, 4, lookup=8), max_batch=2)
+    drafter, tree = resolve_drafter("demo", demo_session.target), TreeConfig(2, 1, 4, lookup=8)
+    w = (
+        BatchWorker(demo_session, drafter, tree=tree, max_batch=2)
+        if batched
+        else DecodeWorker(demo_session, drafter, tree=tree)
+    )
     loop = asyncio.new_event_loop()
     ids = demo_session.encode("Repeat this line four times: red green blue yellow red green blue yellow")
 
@@ -313,7 +319,8 @@ def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session):
     try:
         full, whole = run([])
         assert whole.tau > 1.2  # a repeated line: the lookup branch accepts
-        assert w._service_s == pytest.approx(0.8 + 0.2 * whole.decode_s)  # Retry-After learns (it stayed 1 s)
+        if batched:
+            assert w._service_s == pytest.approx(0.8 + 0.2 * whole.decode_s)
         stop = full[len(full) // 2 : len(full) // 2 + 6]
         text, cut = run([stop])
         assert text == full[: full.find(stop)] and cut.finish_reason == "stop"

@@ -100,6 +100,9 @@ class Decoder:
         self.stop_ids = set(stop_ids or [])
         self.device = target.lm_head.weight.device
         self.timers = Timers()
+        # the speculative rounds' accept lengths of the request being streamed so far: what a caller that stops
+        # the stream early (a stop string) reports as its tau, the guard's AR steps not counted
+        self.accept_lengths_so_far: list[int] = []
         target.setup_cache(self.max_len)
         if drafter is not None:
             if head is None:
@@ -152,6 +155,7 @@ class Decoder:
         if speculative and self.drafter is None:
             raise SpecheadError("speculative decoding needs a drafter")
         run = self._speculative if speculative else self._autoregressive
+        self.accept_lengths_so_far = []
         yield from run(ids, max_new_tokens, cfg)
 
     def _autoregressive(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
@@ -203,7 +207,7 @@ class Decoder:
         # of every speculative round or AR step since its last catch-up
         feats, next_tokens = [drafter.target_features(pre)], ids[1:].tolist() + [root]
         out: list[int] = []
-        accept_lengths: list[int] = []
+        accept_lengths = self.accept_lengths_so_far
         new, reason = self._finish([root], out, max_new)
         out += new
         yield new

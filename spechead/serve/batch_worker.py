@@ -179,7 +179,7 @@ class BatchWorker(DecodeWorker):
             if live.text.stopped:  # a stop string: the request leaves at the next round, answered now
                 live.stopped_by_text = True
                 self._batch.cancel(event.rid)
-                self._finish(live, "stop", None)
+                self._finish(live, "stop", event.result)  # (None unless this round also ended the request)
         if event.result is None:
             return
         self._release([event.rid])

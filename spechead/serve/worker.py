@@ -286,7 +286,7 @@ class DecodeWorker:
             raise ApiError(400, f"cannot build draft head {p.head!r}: {type(e).__name__}: {e}", "head") from e
         text = TextStream(self.decode, p.stop)
         tokens: list[int] = []
-        rounds: list[int] = []
+        chunks = 0
         result: GenerationResult | None = None
         t0, prefill_s = time.perf_counter(), 0.0
         gen = dec.stream(p.prompt_ids, p.max_tokens, p.sampling, speculative=True)
@@ -295,10 +295,10 @@ class DecodeWorker:
                 if isinstance(item, GenerationResult):
                     result = item
                     break
-                if not rounds:  # the first chunk is the prefill's token
+                if not chunks:  # the first chunk is the prefill's token
                     prefill_s = time.perf_counter() - t0
                 tokens += item
-                rounds.append(len(item))
+                chunks += 1
                 piece = text.push(tokens)
                 if piece:
                     job.emit("text", piece)
@@ -317,8 +317,9 @@ class DecodeWorker:
             job.emit("text", piece)
         if result is not None:
             tau, stats = result.tau, result.head_stats
-        else:  # stopped early: the first chunk is the prefill token, each later one a verification round
-            tau, stats = (sum(rounds[1:]) / len(rounds[1:]) if len(rounds) > 1 else 1.0), dec.head.stats()
+        else:  # stopped early (a stop string): the speculative rounds so far, as GenerationResult.tau counts them
+            done = dec.accept_lengths_so_far
+            tau, stats = (sum(done) / len(done) if done else 1.0), dec.head.stats()
         finish = "stop" if text.stopped or (result and result.stop_reason == "stop_token") else "length"
         out = Outcome(job.seq, finish, len(p.prompt_ids), len(tokens), tau, decode_s, dict(stats))
         m.tokens_per_s.set(out.completion_tokens / max(decode_s, 1e-9))
