@@ -44,3 +44,13 @@ acceptance() {
     [ "$(jobs -r | wc -l)" -ge 2 ] && wait -n
   done; wait
 }
+
+# Held-out top-1 per unrolled step of the drafters a stage started from ($W/shipped_NAME), on the packs its training
+# runs report on (packs of PACK tokens), into $R/heldout_shipped_NAME.json.  heldout_shipped PACK NAME...
+heldout_shipped() {
+  local pack=$1 d; shift
+  for d in "$@"; do
+    python results/training/stage6/heldout.py --features $W/feats --drafter $W/shipped_$d --ttt-steps 3 \
+      --pack-tokens $pack > $R/heldout_shipped_$d.json &
+  done; wait
+}

@@ -15,7 +15,7 @@
 set -euo pipefail
 W=${W:-/tmp/stage12}; R=results/training/stage12
 mkdir -p $W $R
-source results/training/stage_lib.sh  # D, drafter_at, extract_features, acceptance
+source results/training/stage_lib.sh  # D, drafter_at, extract_features, heldout_shipped, acceptance
 BASE=fd4bca7  # the drafters as shipped before this stage (stage 10's)
 shipped() {
   drafter_at $BASE eagle2 $W/shipped_eagle2
@@ -44,10 +44,7 @@ train)  # two fine-tunes at once, one thread each, the same held-out packs
   for r in e2 lr72; do mkdir -p $R/$r; cp $W/$r/metrics.json $W/$r/train_log.jsonl $R/$r/; done ;;
 heldout)  # the shipped drafters' held-out top-1 per unrolled step, on the packs the training runs report on
   shipped
-  for d in eagle2 eagle3-lowrank72; do
-    python results/training/stage6/heldout.py --features $W/feats --drafter $W/shipped_$d --ttt-steps 3 \
-      --pack-tokens ${PACK:-2048} > $R/heldout_shipped_$d.json &
-  done; wait ;;
+  heldout_shipped ${PACK:-2048} eagle2 eagle3-lowrank72 ;;
 accept)  # tokens committed per round, no lookup branch, held-out prompts, greedy, one thread each
   shipped
   acceptance ${DRAFTERS:-e2:$W/e2 lr72:$W/lr72} ;;

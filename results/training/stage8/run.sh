@@ -15,7 +15,7 @@
 set -euo pipefail
 W=${W:-/tmp/stage8}; R=results/training/stage8
 mkdir -p $W $R
-source results/training/stage_lib.sh  # D, drafter_at, gen_replies, extract_features, acceptance
+source results/training/stage_lib.sh  # D, drafter_at, gen_replies, extract_features, heldout_shipped, acceptance
 shipped() {  # the drafters as committed before this stage, into $W/shipped_*
   drafter_at 3ddcd73 eagle3 $W/shipped_eagle3
   drafter_at 3ddcd73 eagle3-lowrank72 $W/shipped_eagle3-lowrank72
@@ -36,10 +36,7 @@ train)  # two fine-tunes at once, one thread each, the same held-out packs
   for r in e3 lr72; do mkdir -p $R/$r; cp $W/$r/metrics.json $W/$r/train_log.jsonl $R/$r/; done ;;
 heldout)  # the shipped drafters' held-out top-1 per unrolled step, on the packs the training runs report on
   shipped
-  for d in eagle3 eagle3-lowrank72; do
-    python results/training/stage6/heldout.py --features $W/feats --drafter $W/shipped_$d --ttt-steps 3 \
-      > $R/heldout_shipped_$d.json &
-  done; wait ;;
+  heldout_shipped 1024 eagle3 eagle3-lowrank72 ;;
 accept)  # tokens committed per round, no lookup branch, held-out prompts, greedy, one thread each
   shipped
   acceptance ${DRAFTERS:-shipped_e3:$W/shipped_eagle3 e3:$W/e3 shipped_lr72:$W/shipped_eagle3-lowrank72 lr72:$W/lr72} ;;
