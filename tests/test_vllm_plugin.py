@@ -77,20 +77,3 @@ def test_plugin_head_lossless_counted_and_same_acceptance(setup, ar, name):
         assert sum(res["head_calls"].values()) >= run["spec"]["drafts"] > 0, f"{name}: the spechead head was not used"
         al_vllm, al_ours = run["spec"]["acceptance_length"], ours["acceptance_length"]
         assert abs(al_vllm - al_ours) <= 0.05 * al_ours, f"{name} b{batch}: AL vLLM {al_vllm:.3f} vs ours {al_ours:.3f}"
-
-
-def test_a_step_that_drafts_nothing_skips_the_drafter_and_changes_nothing(setup, ar):
-    """vLLM's chain by batch size with K = 0 from batch 2: at batch 3 the decode steps skip the spechead drafter's
-    pass (``idle.SKIPPED`` counts them; vLLM ran it at a tenth of a batch-8 step), at batch 1 it drafts, and the
-    outputs are vLLM AR's at both."""
-    from spechead.integrations.vllm.compare import METHODS, export_dir, parse_schedule, vllm_config
-    from spechead.integrations.vllm.run import spawn
-
-    session, prompts, root = setup
-    method = METHODS["eagle2 + fr:8192"]
-    spec = vllm_config(method, export_dir(method, session, root), 1, parse_schedule("1-1:1,2-256:0"))
-    res = spawn({**_job(session, prompts, spec), "batches": [1, len(prompts)]})
-    for batch, run in res["runs"].items():
-        assert run["outputs"] == ar["outputs"], f"outputs differ from vLLM AR at batch {batch}"
-    assert res["runs"]["1"]["spec"]["drafts"] > 0
-    assert res["idle_skipped"] > 0  # the batch-3 decode steps while two or more requests run

@@ -3,10 +3,9 @@
 With ``num_speculative_tokens_per_batch_size`` giving K = 0 from batch 5 on, vLLM + spechead's EAGLE-2 drafter ran at
 0.88-0.89x vLLM AR at batch 8 (docs/vllm.md). This separates the two costs left at K = 0 on the same prompts in one
 session: vLLM's n-gram proposer (no drafter model: only the spec-decode bookkeeping) and the EAGLE-2 drafter with
-fr:8192 (bookkeeping plus the drafter's forward that keeps its KV cache in step, ``SPECHEAD_VLLM_IDLE_PASS=1``), then
-the same drafter with the plugin's default, which skips that pass in a decode step at K = 0
-(``integrations.vllm.idle``).
-Run from the repository root::
+fr:8192 (bookkeeping plus the drafter's forward that keeps its KV cache in step). At 6772f01 the plugin could also skip
+that pass in a decode step at K = 0 (the "pass skipped" row of results/vllm/s27_k0_overhead.md); it measured no gain
+and was taken out. Run from the repository root::
 
     .venv-vllm/bin/python results/vllm/k0_overhead.py --out results/vllm/s27_k0_overhead.json
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -65,26 +63,23 @@ def main() -> int:
             "prompt_lookup_max": 3,
             "num_speculative_tokens_per_batch_size": [list(s) for s in schedule],
         },
-        "eagle2 + fr:8192 (K=0 from batch 5; drafter pass kept)": vllm_config(fr, export_dir(fr, session), 1, schedule),
-        "eagle2 + fr:8192 (K=0 from batch 5; pass skipped)": vllm_config(fr, export_dir(fr, session), 1, schedule),
+        "eagle2 + fr:8192 (K=0 from batch 5)": vllm_config(fr, export_dir(fr, session), 1, schedule),
     }
     names = [n.strip() for n in a.configs.split(",")] if a.configs else list(configs)
     runs = {}
     for name in names:
-        os.environ["SPECHEAD_VLLM_IDLE_PASS"] = "1" if "kept" in name else "0"
         runs[name] = spawn({**base, "speculative_config": configs[name]}, timeout_s=1500, cores=f"0-{a.threads - 1}")
         print(name, {b: round(r["tok_s"], 1) for b, r in runs[name]["runs"].items()}, flush=True)
     ar = runs["AR"]["runs"]
-    head = " | ".join(f"b{b} tok/s | b{b} x AR | b{b} same as AR" for b in ar)
-    lines = [f"| vLLM config | {head} | passes skipped |"]
-    lines.append("|---|" + "---:|---:|---|" * len(ar) + "---:|")
+    lines = ["| vLLM config | " + " | ".join(f"b{b} tok/s | b{b} x AR | b{b} same as AR" for b in ar) + " |"]
+    lines.append("|---|" + "---:|---:|---|" * len(ar))
     for name, r in runs.items():
         cells = [
             f"{r['runs'][b]['tok_s']:.1f} | {r['runs'][b]['tok_s'] / ar[b]['tok_s']:.2f} | "
             f"{r['runs'][b]['outputs'] == ar[b]['outputs']}"
             for b in ar
         ]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r.get('idle_skipped', 0)} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     md = "\n".join(lines)
     out = Path(a.out)
     out.write_text(json.dumps({"cpu": cpu_name(), "threads": a.threads, "torch": torch.__version__,

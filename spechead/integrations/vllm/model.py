@@ -48,7 +48,6 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from spechead.heads import DraftHead, make_head
 from spechead.heads.nanospec import NanoSpecHead
 from spechead.integrations.vllm.export import CONFIG_KEY
-from spechead.integrations.vllm.idle import skip_idle_passes
 from spechead.model.lowrank import LowRankLinear
 
 NANOSPEC_DEFAULTS = {"policy": "lru", "gather": "sync"}
@@ -84,7 +83,6 @@ class SpecheadDraftHead(nn.Module):
                 "cached starts past position 0 on a finished request's first block, so its set cannot be told apart"
             )
         self._row_keys: list[int] = []
-        skip_idle_passes()
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:

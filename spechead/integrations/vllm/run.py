@@ -122,12 +122,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "spec": _delta(_spec_counters(llm), before),
         }
     try:
-        from spechead.integrations.vllm.idle import SKIPPED
         from spechead.integrations.vllm.model import HEAD_CALLS, SETS_BEGUN
 
-        result["head_calls"], result["sets_begun"], result["idle_skipped"] = dict(HEAD_CALLS), SETS_BEGUN[0], SKIPPED[0]
+        result["head_calls"], result["sets_begun"] = dict(HEAD_CALLS), SETS_BEGUN[0]
     except ImportError:  # vLLM without the plugin's dependencies: nothing to count
-        result["head_calls"], result["sets_begun"], result["idle_skipped"] = {}, 0, 0
+        result["head_calls"], result["sets_begun"] = {}, 0
     return result
 
 
