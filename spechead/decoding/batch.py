@@ -64,7 +64,6 @@ class BatchEvent:
     rid: int
     tokens: list[int]
     result: GenerationResult | None = None
-    accepted: int | None = None  # a speculative round's accept length (None: an AR step, a prefill, a leave)
 
 
 @dataclass
@@ -175,6 +174,11 @@ class BatchDecoder:
             if r.rid == rid:
                 r.cancelled = True
 
+    def accept_lengths_so_far(self, rid: int) -> list[int]:
+        """A request still in the batch: its speculative rounds' accept lengths so far (what a caller that ends it
+        early, on a stop string, reports as its tau); empty for one that has left."""
+        return next((list(r.accept_lengths) for r in (*self.waiting, *self.active) if r.rid == rid), [])
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
@@ -256,7 +260,7 @@ class BatchDecoder:
             r.lookup.extend(new)
         if reason is not None:
             return self._leave(r, reason, new)
-        return BatchEvent(r.rid, new, accepted=len(new) if spec else None)
+        return BatchEvent(r.rid, new)
 
     def _leave(self, r: _Request, reason: str, new: list[int] | None = None) -> BatchEvent:
         (self.active if r.lane >= 0 else self.waiting).remove(r)

@@ -46,7 +46,12 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens committed per speculative round (bonus token included); the guard's AR steps are
         not rounds (see ``mode_rounds``)."""
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
+        return tau_of(self.accept_lengths)
+
+
+def tau_of(accept_lengths: list[int]) -> float:
+    """Mean tokens committed per speculative round; 1.0 before any (a reply stopped early reports it too)."""
+    return sum(accept_lengths) / len(accept_lengths) if accept_lengths else 1.0
 
 
 def check_prompt(prompt: list[int] | Tensor, max_len: int, vocab_size: int, device: torch.device) -> Tensor:

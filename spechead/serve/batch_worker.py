@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from spechead.decoding.batch import BatchDecoder, BatchEvent
+from spechead.decoding.decoder import tau_of
 from spechead.decoding.session import AUTO_TREE, Session
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
@@ -33,7 +34,6 @@ class _Live:
     text: TextStream
     started: float
     tokens: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # its speculative rounds' accept lengths so far
     stopped_by_text: bool = False
 
 
@@ -170,16 +170,17 @@ class BatchWorker(DecodeWorker):
             return
         job, m = live.job, self.metrics
         live.tokens += event.tokens
-        if event.accepted is not None:
-            live.accepted.append(event.accepted)
         if not job.cancelled.is_set() and not live.stopped_by_text and event.tokens:
             piece = live.text.push(live.tokens)
             if piece:
                 job.emit("text", piece)
             if live.text.stopped:  # a stop string: the request leaves at the next round, answered now
                 live.stopped_by_text = True
+                if event.result is None:  # answered now, before the decoder's result: the rounds it ran so far
+                    self._finish(live, "stop", None, self._batch.accept_lengths_so_far(event.rid))
+                else:  # the same round ended the request
+                    self._finish(live, "stop", event.result)
                 self._batch.cancel(event.rid)
-                self._finish(live, "stop", event.result)  # (None unless this round also ended the request)
         if event.result is None:
             return
         self._release([event.rid])
@@ -190,7 +191,8 @@ class BatchWorker(DecodeWorker):
             return
         self._finish(live, "stop" if event.result.stop_reason == "stop_token" else "length", event.result)
 
-    def _finish(self, live: _Live, reason: str, result) -> None:
+    def _finish(self, live: _Live, reason: str, result, accepted: list[int] | None = None) -> None:
+        """Answer a request: from the decoder's ``result``, or (None) from its rounds' ``accepted`` lengths."""
         job, m = live.job, self.metrics
         piece = live.text.finish(live.tokens)
         if piece:
@@ -198,8 +200,7 @@ class BatchWorker(DecodeWorker):
         decode_s = time.perf_counter() - live.started
         with self._cv:  # Retry-After: capacity requests decode at once, each for about this long
             self._service_s = 0.8 * self._service_s + 0.2 * decode_s
-        # (a stop string answers before the decoder's result: tau from the rounds its events reported)
-        tau = result.tau if result is not None else sum(live.accepted) / len(live.accepted) if live.accepted else 1.0
+        tau = result.tau if result is not None else tau_of(accepted or [])
         stats = dict(result.head_stats) if result is not None else {}
         out = Outcome(job.seq, reason, len(job.params.prompt_ids), len(live.tokens), tau, decode_s, stats)
         m.tokens_per_s.set(out.completion_tokens / max(decode_s, 1e-9))

@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from spechead.decoding.decoder import Decoder, GenerationResult
+from spechead.decoding.decoder import Decoder, GenerationResult, tau_of
 from spechead.decoding.session import AUTO_TREE, Session
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
@@ -318,8 +318,7 @@ class DecodeWorker:
         if result is not None:
             tau, stats = result.tau, result.head_stats
         else:  # stopped early (a stop string): the speculative rounds so far, as GenerationResult.tau counts them
-            done = dec.accept_lengths_so_far
-            tau, stats = (sum(done) / len(done) if done else 1.0), dec.head.stats()
+            tau, stats = tau_of(dec.accept_lengths_so_far), dec.head.stats()
         finish = "stop" if text.stopped or (result and result.stop_reason == "stop_token") else "length"
         out = Outcome(job.seq, finish, len(p.prompt_ids), len(tokens), tau, decode_s, dict(stats))
         m.tokens_per_s.set(out.completion_tokens / max(decode_s, 1e-9))
