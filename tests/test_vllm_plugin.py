@@ -38,36 +38,26 @@ def setup(tmp_path_factory):
     return session, prompts, tmp_path_factory.mktemp("vllm-export")
 
 
-def _job(session, prompts, spec=None):
-    return {
-        "target": str(session.folder),
-        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},  # the demo folder's config names none
-        "prompts": prompts,
-        "batches": [1],
-        "max_tokens": MAX_NEW,
-        "speculative_config": spec,
-    }
-
-
 @pytest.fixture(scope="module")
 def ar(setup):
+    from spechead.integrations.vllm.compare import vllm_job
     from spechead.integrations.vllm.run import spawn
 
     session, prompts, _ = setup
-    return spawn(_job(session, prompts))["runs"]["1"]
+    return spawn(vllm_job(session, prompts, MAX_NEW))["runs"]["1"]
 
 
 @pytest.mark.parametrize("name", HEADS)
 def test_plugin_head_lossless_counted_and_same_acceptance(setup, ar, name):
-    from spechead.integrations.vllm.compare import METHODS, engine_args, export_dir, spechead_run, vllm_config
+    from spechead.integrations.vllm.compare import METHODS, export_dir, spechead_run, vllm_config, vllm_job
     from spechead.integrations.vllm.run import spawn
 
     session, prompts, root = setup
     method = METHODS[name]
     folder = export_dir(method, session, root)
-    job = {**_job(session, prompts, vllm_config(method, folder)), "engine_args": engine_args(method)}
-    if method.per_request:  # one set per request: the same drafts with all prompts in one batch
-        job["batches"] = [1, len(prompts)]
+    # a per-request head (NanoSpec): the same drafts with all prompts in one batch, one set per request
+    batches = (1, len(prompts)) if method.per_request else (1,)
+    job = vllm_job(session, prompts, MAX_NEW, vllm_config(method, folder), method, batches)
     res = spawn(job)
     if method.per_request:  # a set begun per request (warm-up, batch 1, batch 3), none shared
         assert res["sets_begun"] >= 1 + 2 * len(prompts), res["sets_begun"]

@@ -26,14 +26,7 @@ import torch
 
 from spechead.bench.suites import load_suite, round_robin
 from spechead.decoding.session import Session
-from spechead.integrations.vllm.compare import (
-    METHODS,
-    engine_args,
-    export_dir,
-    parse_schedule,
-    spechead_run,
-    vllm_config,
-)
+from spechead.integrations.vllm.compare import METHODS, export_dir, parse_schedule, spechead_run, vllm_config, vllm_job
 from spechead.integrations.vllm.run import spawn
 from spechead.tuning.measure import cpu_name
 
@@ -139,20 +132,11 @@ def main() -> int:
     )
     res["vllm"] = old.get("vllm", {}) if same else {}
     res["spechead"] = old.get("spechead", {}) if same else {}
-    base = {
-        "target": str(session.folder),
-        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},
-        "prompts": ids,
-        "batches": batches,
-        "max_tokens": args.max_new_tokens,
-        "repeats": args.repeats,
-        "enforce_eager": not args.compiled,
-    }
     for name in [AR, *names] if args.part in ("all", "vllm") else []:
         t = time.perf_counter()
         method = None if name == AR else METHODS[name]
         spec = None if method is None else vllm_config(method, export_dir(method, session), args.k, schedule)
-        job = {**base, "speculative_config": spec, "engine_args": engine_args(method)}
+        job = vllm_job(session, ids, args.max_new_tokens, spec, method, tuple(batches), args.repeats, args.compiled)
         res["vllm"][name] = spawn(job, timeout_s=1500, cores=cores)
         summary = {x: round(r["tok_s"], 1) for x, r in res["vllm"][name]["runs"].items()}
         print(f"vLLM {name}: tok/s {summary} ({time.perf_counter() - t:.0f} s)", flush=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from spechead.decoding.session import Session
-from spechead.integrations.vllm.compare import METHODS, export_dir, parse_schedule, vllm_config
+from spechead.integrations.vllm.compare import METHODS, export_dir, parse_schedule, vllm_config, vllm_job
 from spechead.integrations.vllm.run import spawn
 from spechead.tuning.measure import cpu_name
 
@@ -43,16 +43,7 @@ def main() -> int:
     session = Session.open("demo", max_len=2048)
     ids = prompts(session, 8, 400)
     schedule = parse_schedule(a.schedule)
-    base = {
-        "target": str(session.folder),
-        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},
-        "prompts": ids,
-        "batches": [int(x) for x in a.batches.split(",")],
-        "max_tokens": 80,
-        "repeats": a.repeats,
-        "enforce_eager": False,
-        "engine_args": {},
-    }
+    batches = tuple(int(x) for x in a.batches.split(","))
     fr = METHODS["eagle2 + fr:8192"]
     configs = {
         "AR": None,
@@ -68,7 +59,8 @@ def main() -> int:
     names = [n.strip() for n in a.configs.split(",")] if a.configs else list(configs)
     runs = {}
     for name in names:
-        runs[name] = spawn({**base, "speculative_config": configs[name]}, timeout_s=1500, cores=f"0-{a.threads - 1}")
+        job = vllm_job(session, ids, 80, configs[name], batches=batches, repeats=a.repeats, compiled=True)
+        runs[name] = spawn(job, timeout_s=1500, cores=f"0-{a.threads - 1}")
         print(name, {b: round(r["tok_s"], 1) for b, r in runs[name]["runs"].items()}, flush=True)
     ar = runs["AR"]["runs"]
     lines = ["| vLLM config | " + " | ".join(f"b{b} tok/s | b{b} x AR | b{b} same as AR" for b in ar) + " |"]

@@ -137,6 +137,31 @@ def engine_args(method: Method | None) -> dict[str, Any]:
     return {"enable_prefix_caching": False} if method is not None and method.per_request else {}
 
 
+def vllm_job(
+    session: Session,
+    prompts: list[list[int]],
+    max_tokens: int,
+    speculative_config: dict[str, Any] | None = None,
+    method: Method | None = None,
+    batches: tuple[int, ...] = (1,),
+    repeats: int = 1,
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """One job for ``run.spawn`` on the session's target folder (greedy, token-id prompts): AR for
+    ``speculative_config=None``; ``method`` adds the engine arguments its head needs."""
+    return {
+        "target": str(session.folder),
+        "hf_overrides": {"architectures": ["LlamaForCausalLM"]},  # the demo folder's config names none
+        "prompts": prompts,
+        "batches": list(batches),
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "enforce_eager": not compiled,
+        "speculative_config": speculative_config,
+        "engine_args": engine_args(method),
+    }
+
+
 def spechead_run(
     session: Session, method: Method | None, prompts: list[list[int]], max_new_tokens: int, k: int = 3
 ) -> dict[str, Any]:
