@@ -34,7 +34,11 @@ def prompts_of(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
-@pytest.mark.parametrize("tree", [TreeConfig(2, 2, 6, lookup=4), TreeConfig.chain(3), TreeConfig(4, 3, 12)], ids=str)
+@pytest.mark.parametrize(
+    "tree",
+    [TreeConfig(2, 2, 6, lookup=4), TreeConfig.chain(3), TreeConfig(4, 3, 12), TreeConfig(1, 1, 3, lookup_first=True)],
+    ids=str,
+)
 def test_batched_greedy_equals_batch1_autoregressive(tiny_small_vocab_dir, arch, tree):
     """Seven prompts of different lengths and budgets through three lanes: requests join as others leave, and
     every output is the request's own batch-1 AR output (and so is the batched AR decoder's)."""

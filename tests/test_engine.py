@@ -22,6 +22,7 @@ TREES = [
     TreeConfig.chain(4),
     TreeConfig(4, 0, 4),
     TreeConfig(2, 3, 8, lookup=5),
+    TreeConfig.parse("chain:2+lookup-first"),
 ]
 
 
@@ -66,6 +67,24 @@ def test_lookup_branch_is_used_and_lossless(tiny_small_vocab_dir):
     # near the context limit the branch is clipped to the room left, and the output still matches
     prompt = torch.randint(0, 16, (80,), generator=g)
     assert dec.generate(prompt, 40).tokens == dec.generate(prompt, 40, speculative=False).tokens
+
+
+def test_lookup_first_drafts_the_lookups_tokens_in_the_chains_rows(tiny_small_vocab_dir):
+    """``chain:N+lookup-first`` (how vLLM's one chain takes the lookup): where the context repeats, the chain's
+    tokens are the lookup's, so it accepts what the drafter alone does not, with no more rows, and stays lossless."""
+    first = make_decoder(tiny_small_vocab_dir, tree=TreeConfig.parse("chain:1+lookup-first"), max_len=128)
+    plain = make_decoder(tiny_small_vocab_dir, tree=TreeConfig.chain(1), max_len=128)
+    g = torch.Generator().manual_seed(5)
+    gained = 0
+    for _ in range(4):
+        prompt = torch.randint(0, 16, (12,), generator=g)
+        ar = first.generate(prompt, 60, speculative=False).tokens
+        prompt = torch.cat([prompt, torch.tensor(ar), prompt])  # the target's own run follows the prompt again
+        want = first.generate(prompt, 40, speculative=False).tokens
+        spec, base = first.generate(prompt, 40), plain.generate(prompt, 40)
+        assert spec.tokens == want == base.tokens and max(spec.accept_lengths) <= 2
+        gained += len(spec.accept_lengths) < len(base.accept_lengths)  # the same tokens in fewer rounds
+    assert gained >= 3
 
 
 def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):

@@ -74,7 +74,10 @@ def test_tree_config_parsing():
     assert TreeConfig.parse("chain:3+lookup:2") == TreeConfig(1, 2, 4, 2)
     assert TreeConfig.parse(str(TreeConfig(2, 4, 8, 6))) == TreeConfig(2, 4, 8, 6)
     assert TreeConfig(2, 4, 8, 6).max_rows == 14
-    for bad in ("4,3", "2x4x8+lookup", "2x4x8+pld:3", "2x4x8+lookup:-1"):
+    first = TreeConfig.parse("chain:2+lookup-first")
+    assert first == TreeConfig(1, 1, 3, lookup_first=True) and first.max_rows == 3 and first.uses_lookup
+    assert TreeConfig.parse(str(first)) == first and first.lean() == TreeConfig(1, 0, 2, lookup_first=True)
+    for bad in ("4,3", "2x4x8+lookup", "2x4x8+pld:3", "2x4x8+lookup:-1", "2x4x8+lookup-first"):
         with pytest.raises(ValueError):
             TreeConfig.parse(bad)
     with pytest.raises(ValueError):

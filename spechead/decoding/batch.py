@@ -30,7 +30,7 @@ from torch import Tensor
 from spechead.decoding.decoder import GenerationResult, check_prompt, clip_round
 from spechead.decoding.guard import Guard, GuardConfig
 from spechead.decoding.sampling import Draws, SamplingConfig, accept, choose, make_draws
-from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, graft
+from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, build_tree, draft_trees, place_lookup
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
@@ -53,7 +53,7 @@ def batch_tree(tree: TreeConfig, batch: int, budget: int = ROW_BUDGET) -> TreeCo
         return tree
     if rows < 2:
         return None
-    return TreeConfig(1, 0, 2, lookup=min(rows - 2, tree.lookup))
+    return TreeConfig(1, 0, 2, lookup=min(rows - 2, tree.lookup), lookup_first=tree.lookup_first)
 
 
 @dataclass
@@ -123,7 +123,7 @@ class BatchDecoder:
         fixed = tree if isinstance(tree, TreeConfig) else TreeConfig(2, 1, 4, 8)
         self.tree_for: Callable[[int], TreeConfig | None] = tree if callable(tree) else lambda n: fixed
         shapes = [(n, self.tree_for(n)) for n in range(1, max_batch + 1)]
-        self.uses_lookup = any(t is not None and t.lookup for _, t in shapes)
+        self.uses_lookup = any(t is not None and t.uses_lookup for _, t in shapes)
         self.max_len = target.max_len
         self.stop_ids = set(stop_ids or [])
         self.device = target.lm_head.weight.device
@@ -295,9 +295,9 @@ class BatchDecoder:
                 [r.lane for r in reqs], shape, n_nodes,
             )  # fmt: skip
             for i, r in enumerate(reqs):
-                if r.lookup is not None and shape.lookup:
+                if r.lookup is not None and shape.uses_lookup:
                     room = self.max_len - r.length
-                    trees[i] = graft(trees[i], r.lookup.propose(min(shape.lookup, room - trees[i].size)))
+                    trees[i] = place_lookup(trees[i], r.lookup, shape, room)
         return trees
 
     def _guard(self, n: int) -> Guard:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from spechead.decoding.guard import Guard, GuardConfig
 from spechead.decoding.sampling import SamplingConfig, accept, choose, make_draws
-from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, graft
+from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, place_lookup
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
@@ -203,7 +203,7 @@ class Decoder:
             pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
             root = choose(pre.logits[-1], draws, ids.numel())
             head.begin(ids, pre.logits if head.needs_prompt_logits else None)
-            lookup = ContextLookup() if tree_cfg.lookup else None
+            lookup = ContextLookup() if tree_cfg.uses_lookup else None
             if lookup is not None:
                 lookup.extend(ids.tolist() + [root])
         prefill_s = time.perf_counter() - t0
@@ -239,7 +239,7 @@ class Decoder:
                 with tm("draft", dev):
                     tree = draft_tree(drafter, head, h[-1:], root, length, shape, n_nodes)
                     if lookup is not None:
-                        tree = graft(tree, lookup.propose(min(tree_cfg.lookup, room - tree.size)))
+                        tree = place_lookup(tree, lookup, shape, room)
                 with tm("verify", dev):
                     mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
                     vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)

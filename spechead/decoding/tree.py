@@ -29,16 +29,22 @@ MAX_ROWS = 1024  # tokens one verification may hold: far past where a tree stops
 class TreeConfig:
     """top_k children per expanded node (and nodes expanded per level), depth expansion steps
     (max draft length depth+1), total_tokens verified per round including the root, and lookup:
-    up to that many context-lookup tokens grafted on top (0: none)."""
+    up to that many context-lookup tokens grafted on top (0: none). ``lookup_first``: a chain whose tokens come
+    from the context lookup where it matches and from the drafter where it does not, in the same rows: how an
+    engine that verifies one chain (vLLM) uses the lookup; grafting it as its own branch accepts at least as much
+    where rows are cheap."""
 
     top_k: int = 4
     depth: int = 4
     total_tokens: int = 16
     lookup: int = 0
+    lookup_first: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 1 or self.lookup < 0:
             raise ValueError(f"invalid tree {self}: need top_k >= 1, depth >= 0, total_tokens >= 1, lookup >= 0")
+        if self.lookup_first and (self.top_k != 1 or self.lookup):
+            raise ValueError(f"invalid tree {self}: +lookup-first replaces a chain's tokens (chain:N, no +lookup:L)")
         if self.max_rows > MAX_ROWS or self.depth >= MAX_ROWS:  # (chain:100000 drafted for minutes)
             raise ValueError(f"invalid tree {self}: a round verifies at most {MAX_ROWS} tokens, lookup included")
 
@@ -46,6 +52,11 @@ class TreeConfig:
     def max_rows(self) -> int:
         """The most tokens one verification can hold: the drafted tree plus a lookup branch."""
         return self.total_tokens + self.lookup
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Whether a round consults the context lookup (a grafted branch or the chain's own tokens)."""
+        return bool(self.lookup) or self.lookup_first
 
     @property
     def max_drafts(self) -> int:
@@ -71,11 +82,14 @@ class TreeConfig:
     @classmethod
     def parse(cls, spec: str) -> TreeConfig:
         """``K,D,T`` or ``KxDxT`` (top_k, depth, total tokens), or ``chain:N``; ``+lookup:L`` adds a
-        context-lookup branch of up to L tokens."""
+        context-lookup branch of up to L tokens; ``chain:N+lookup-first`` takes a chain's tokens from the lookup
+        where it matches."""
         try:
             shape, plus, extra = spec.partition("+")
-            lookup = 0
-            if plus:
+            lookup, first = 0, False
+            if extra == "lookup-first":
+                first = True
+            elif plus:
                 key, _, n = extra.partition(":")
                 if key != "lookup":
                     raise ValueError(f"unknown tree option {extra!r}")
@@ -85,15 +99,16 @@ class TreeConfig:
             else:
                 k, d, t = (int(x) for x in shape.replace("x", ",").split(","))
                 base = cls(k, d, t)
-            return replace(base, lookup=lookup)
+            return replace(base, lookup=lookup, lookup_first=first)
         except ValueError as e:
             raise ValueError(
-                f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N', optionally '+lookup:L'): {e}"
+                f"invalid tree spec {spec!r} (want 'K,D,T', 'KxDxT' or 'chain:N', optionally '+lookup:L', or "
+                f"'chain:N+lookup-first'): {e}"
             ) from e
 
     def __str__(self) -> str:
         shape = f"{self.top_k}x{self.depth}x{self.total_tokens}"
-        return shape + (f"+lookup:{self.lookup}" if self.lookup else "")
+        return shape + (f"+lookup:{self.lookup}" if self.lookup else "+lookup-first" if self.lookup_first else "")
 
 
 @dataclass
@@ -285,6 +300,16 @@ class ContextLookup:
                     out.append(out[at + len(out) - len(self.ids)])
                 return out
         return []
+
+
+def place_lookup(tree: DraftTree, lookup: ContextLookup, cfg: TreeConfig, room: int) -> DraftTree:
+    """The round's tree with the context lookup's tokens: its own branch of up to ``cfg.lookup`` tokens (within
+    ``room``, the rows the context has left), or, for ``lookup_first``, in place of the drafted chain's tokens."""
+    if cfg.lookup_first:
+        chain = lookup.propose(tree.size - 1)
+        root = DraftTree(tree.tokens[:1], [-1], tree.mask[:1, :1], tree.depth[:1])
+        return graft(root, chain) if chain else tree
+    return graft(tree, lookup.propose(min(cfg.lookup, room - tree.size)))
 
 
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
