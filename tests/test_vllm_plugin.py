@@ -26,6 +26,7 @@ HEADS = [
     "eagle3 + nanospec",  # against spechead's NanoSpec fed what vLLM can feed (no target logits): the same drafts
     "eagle2 + fr:8192",  # EAGLE-2 through vLLM's EAGLE-1/2 class ("method": "eagle")
     "eagle2 + nanospec",
+    "eagle2 + fr:8192 + lookup",  # the draft token from the request's context where it repeats (a chain of 1)
 ]
 
 
@@ -55,13 +56,16 @@ def test_plugin_head_lossless_counted_and_same_acceptance(setup, ar, name):
     session, prompts, root = setup
     method = METHODS[name]
     folder = export_dir(method, session, root)
-    # a per-request head (NanoSpec): the same drafts with all prompts in one batch, one set per request
+    # state per request (NanoSpec, the lookup): the same drafts with all prompts in one batch
     batches = (1, len(prompts)) if method.per_request else (1,)
-    job = vllm_job(session, prompts, MAX_NEW, vllm_config(method, folder), method, batches)
+    k = 1 if method.lookup_first else 3
+    job = vllm_job(session, prompts, MAX_NEW, vllm_config(method, folder, k), method, batches)
     res = spawn(job)
-    if method.per_request:  # a set begun per request (warm-up, batch 1, batch 3), none shared
+    if method.per_request and not method.lookup_first:  # a set begun per request (warm-up, b1, b3), none shared
         assert res["sets_begun"] >= 1 + 2 * len(prompts), res["sets_begun"]
-    ours = spechead_run(session, method, prompts, MAX_NEW)
+    if method.lookup_first:
+        assert res["lookup_tokens"] > 0, "the context lookup gave no draft token"
+    ours = spechead_run(session, method, prompts, MAX_NEW, k)
     for batch, run in res["runs"].items():
         assert run["outputs"] == ar["outputs"], f"{name}: greedy outputs differ from vLLM AR at batch {batch}"
         assert sum(res["head_calls"].values()) >= run["spec"]["drafts"] > 0, f"{name}: the spechead head was not used"

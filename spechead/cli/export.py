@@ -28,12 +28,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     with torch.no_grad():
         head = session.draft_head(drafter, args.head)
-    out = export_vllm(drafter, head, args.head, out, getattr(drafter, "spechead_source", ""))
-    print(f"wrote {out} ({args.head} head)")
+    out = export_vllm(drafter, head, args.head, out, getattr(drafter, "spechead_source", ""), args.lookup_first)
+    print(f"wrote {out} ({args.head} head{', lookup first' if args.lookup_first else ''})")
+    per_request = args.lookup_first or args.head.partition(":")[0] == "nanospec"  # state kept per request
     print(
         "vLLM: LLM(TARGET, speculative_config={"
-        f'"method": "{VLLM_METHOD[drafter.arch]}", "model": "{out.resolve()}", "num_speculative_tokens": 3, '
-        '"use_local_argmax_reduction": True})  # needs spechead installed (the plugin registers the drafter)'
+        f'"method": "{VLLM_METHOD[drafter.arch]}", "model": "{out.resolve()}", '
+        f'"num_speculative_tokens": {1 if args.lookup_first else 3}, "use_local_argmax_reduction": True'
+        + (', "disable_padded_drafter_batch": True}, enable_prefix_caching=False)' if per_request else "})")
+        + "  # needs spechead installed (the plugin registers the drafter)"
     )
     return 0
 
@@ -46,4 +49,10 @@ def add_cli(sub) -> None:
     add_target(e)
     add_drafter(e)
     add_head(e, help=f"draft head: {', '.join(HEADS)} with their options, e.g. lowrank:72, fr:8192")
+    e.add_argument(
+        "--lookup-first",
+        action="store_true",
+        help="take each round's draft token from the request's context (prompt lookup) where it matches, the head's "
+        "elsewhere (vLLM with num_speculative_tokens 1; spechead's tree chain:1+lookup-first)",
+    )
     e.set_defaults(func=cmd_export)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,14 @@ class Method:
     # the head spechead's engine runs for the comparison, when vLLM can feed the head only part of what spechead's
     # engine does (NanoSpec: no target logits, so no top-k sources); "": ``head``
     engine_head: str = ""
+    # the round's draft token from the request's context lookup where it matches (one speculative token; spechead's
+    # engine: chain:1+lookup-first)
+    lookup_first: bool = False
 
     @property
     def per_request(self) -> bool:
-        """A head with state per request (NanoSpec), which needs vLLM set up for it (see the plugin)."""
-        return self.head.partition(":")[0] == "nanospec"
+        """State kept per request (a NanoSpec head, a context lookup), which needs vLLM set up for it (the plugin)."""
+        return self.head.partition(":")[0] == "nanospec" or self.lookup_first
 
     @property
     def drafter_path(self) -> Path:
@@ -73,6 +76,8 @@ METHODS = {
         Method("eagle2 + fr:8192", "eagle2", "fr:8192"),
         Method("eagle2 + vocabtrim:8192", "eagle2", "vocabtrim:8192"),
         Method("eagle2 + nanospec", "eagle2", "nanospec", engine_head=VLLM_NANOSPEC),
+        Method("eagle2 + fr:8192 + lookup", "eagle2", "fr:8192", lookup_first=True),
+        Method("eagle3 + fr:8192 + lookup", "eagle3", "fr:8192", lookup_first=True),
     ]
 }
 
@@ -89,11 +94,13 @@ def export_dir(method: Method, session: Session, root: Path | None = None) -> Pa
     for f in sorted(method.drafter_path.iterdir()):
         if f.is_file():
             digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    name = f"{method.drafter_path.name}-{method.head.replace(':', '-')}-{digest.hexdigest()[:12]}"
+    lookup = "-lookup" if method.lookup_first else ""
+    name = f"{method.drafter_path.name}-{method.head.replace(':', '-')}{lookup}-{digest.hexdigest()[:12]}"
     out = (root or cache_dir() / "vllm-export") / name
     if not (out / "config.json").is_file():
         drafter = resolve_drafter(str(method.drafter_path), session.target)
-        export_vllm(drafter, session.draft_head(drafter, method.head), method.head, out, str(method.drafter_path))
+        head = session.draft_head(drafter, method.head)
+        export_vllm(drafter, head, method.head, out, str(method.drafter_path), method.lookup_first)
     return out
 
 
@@ -119,6 +126,8 @@ def vllm_config(
     """vLLM's ``speculative_config`` for a method: its EAGLE method, a chain of k, greedy drafts through the
     head's ``get_top_tokens`` (no full-vocabulary logits); ``schedule``: the chain length by batch size (vLLM's
     dynamic speculative decoding), e.g. none from the batch size where a round stops paying."""
+    if method.lookup_first and (k != 1 or any(n > 1 for _, _, n in schedule or [])):
+        raise ValueError(f"{method.name}: lookup first drafts one token a round (k 1), got k {k}, schedule {schedule}")
     spec = {
         "method": method.vllm_method,
         "model": str(folder),
@@ -173,7 +182,8 @@ def spechead_run(
         dec = session.decoder()
     else:
         drafter = resolve_drafter(str(method.drafter_path), session.target)
-        dec = session.decoder(drafter, method.engine_head or method.head, TreeConfig.chain(k), guard=None)
+        tree = replace(TreeConfig.chain(k), lookup_first=method.lookup_first)
+        dec = session.decoder(drafter, method.engine_head or method.head, tree, guard=None)
     spec = method is not None
     dec.generate(prompts[0], 8, speculative=spec)  # warm-up
     outputs, rounds, committed, wall = [], 0, 0, 0.0

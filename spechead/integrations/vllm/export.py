@@ -10,7 +10,9 @@ and a ``spechead`` block naming the head. vLLM runs the first with ``"method": "
 data, so vLLM needs nothing but the folder: a low-rank head's factors (the drafter's own, re-truncated, or the
 SVD of its full head) go into the checkpoint as ``lm_head.down/up.weight`` with ``lm_head_rank``; a static subset
 (``fr`` / ``vocabtrim``) is written as the token list its head drafts from; ``nanospec[...]`` needs only the
-full head's rows, so its block carries the spec with its options. Weights are written in float32, the
+full head's rows, so its block carries the spec with its options. ``lookup_first`` adds ``"lookup_first": true``:
+the plugin then takes a round's draft token from the request's context lookup where it matches (spechead's
+``chain:1+lookup-first``; vLLM with one speculative token). Weights are written in float32, the
 dtype the engines draft in (bf16 checkpoints widen exactly), so both engines read the same numbers.
 """
 
@@ -30,9 +32,9 @@ FORMATS = ("vllm",)
 HEADS = ("full", "lowrank", "fr", "vocabtrim", "nanospec")  # what the plugin's drafter class runs (see its docs)
 
 
-def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "") -> Path:
+def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "", lookup_first: bool = False) -> Path:
     """Write ``drafter`` (a spechead EAGLE-3 or EAGLE-2 drafter) with the built spechead ``head`` of spec ``spec``
-    to ``out``."""
+    to ``out``; ``lookup_first``: draft from the context lookup where it matches (see the module docstring)."""
     from safetensors.torch import save_file
 
     from spechead.heads.full import FullHead
@@ -51,6 +53,8 @@ def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "")
     state = dict(drafter.checkpoint_state())
     cfg = drafter.draft_config()
     block: dict[str, Any] = {"head": name, "spec": spec, "source": source}
+    if lookup_first:
+        block["lookup_first"] = True
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(head, LowRankHead):
         up, down = head.scorer.factors

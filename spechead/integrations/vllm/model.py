@@ -28,6 +28,13 @@ vLLM must run without prefix caching (checked at construction): a cached prefix 
 on a finished request's block. Not reachable in vLLM: the target's top-3 over the prompt and its top-k at the
 drafted nodes (a proposer never sees the target's logits).
 
+Lookup first (``"lookup_first": true`` in the block, ``spechead export --lookup-first``): each request also keeps
+spechead's ``ContextLookup`` over the same token ids, keyed the same way, and a draft row takes the lookup's token
+where the request's last 3 or 2 tokens occurred before (``compute_logits``: a one-hot row there, the draft's true
+distribution, so sampled drafts stay lossless), the head's elsewhere: spechead's ``chain:1+lookup-first``. One
+speculative token (a chain of one), checked at construction. The lookup's context lacks the prompt's first token,
+which the drafter is never fed.
+
 ``has_own_lm_head`` is set only when the checkpoint holds a head: otherwise vLLM's proposer swaps in the
 target's ``lm_head``, which is what a tied drafter wants; the spechead head is then built over it.
 """
@@ -45,6 +52,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+from spechead.decoding.tree import ContextLookup
 from spechead.heads import DraftHead, make_head
 from spechead.heads.nanospec import NanoSpecHead
 from spechead.integrations.vllm.export import CONFIG_KEY
@@ -53,6 +61,7 @@ from spechead.model.lowrank import LowRankLinear
 NANOSPEC_DEFAULTS = {"policy": "lru", "gather": "sync"}
 HEAD_CALLS: dict[str, int] = {}  # head spec -> draft calls in this process (the integration test reads it)
 SETS_BEGUN = [0]  # NanoSpec: per-request sets begun in this process (the integration test reads it)
+LOOKUP_TOKENS = [0]  # lookup first: draft tokens the context lookup gave in this process (the test reads it)
 
 
 class SpecheadDraftHead(nn.Module):
@@ -63,7 +72,9 @@ class SpecheadDraftHead(nn.Module):
         cfg = self.config
         opts = dict(getattr(cfg, CONFIG_KEY, None) or {})
         self.head_spec: str = opts.get("head", "full")
-        self.per_request = self.head_spec.partition(":")[0] == "nanospec"  # a head with state per request
+        self.nanospec = self.head_spec.partition(":")[0] == "nanospec"  # a head with state per request
+        self.lookup_first = bool(opts.get("lookup_first"))  # a context lookup per request
+        self.per_request = self.nanospec or self.lookup_first
         self.folder = Path(vllm_config.speculative_config.draft_model_config.model)
         self.target_vocab = vllm_config.model_config.get_vocab_size()
         self.has_own_lm_head = False  # until load_weights finds a head in the checkpoint
@@ -77,11 +88,16 @@ class SpecheadDraftHead(nn.Module):
         # one per running request (W_max x d packed rows and three [V] tables each, outside vLLM's memory profile);
         # a newcomer past the cap takes the least recently used set, a finished request's
         self._max_sets = vllm_config.scheduler_config.max_num_seqs
+        self._lookups: OrderedDict[int, ContextLookup] = OrderedDict()  # request key -> its lookup, as _sets
+        what = "nanospec head" if self.nanospec else "lookup-first drafter"
         if self.per_request and vllm_config.cache_config.enable_prefix_caching:
             raise ValueError(
-                "spechead's nanospec head inside vLLM needs enable_prefix_caching=False: a request whose prefix is "
-                "cached starts past position 0 on a finished request's first block, so its set cannot be told apart"
+                f"spechead's {what} inside vLLM needs enable_prefix_caching=False: a request whose prefix is "
+                "cached starts past position 0 on a finished request's first block, so its state cannot be told apart"
             )
+        k = vllm_config.speculative_config.num_speculative_tokens
+        if self.lookup_first and k != 1:
+            raise ValueError(f"spechead's lookup-first drafter drafts 1 token: num_speculative_tokens=1, not {k}")
         self._row_keys: list[int] = []
 
     # -- weights -------------------------------------------------------------------------------
@@ -144,21 +160,40 @@ class SpecheadDraftHead(nn.Module):
         return super().forward(input_ids, positions, hidden_states, inputs_embeds)
 
     def _observe_ids(self, input_ids: Tensor, positions: Tensor) -> None:
-        """NanoSpec's context as vLLM shows it: each request's rows begin (at position 0) or extend its set; without
-        attention metadata, one set for all rows (see the module docstring)."""
+        """A request's context as vLLM shows it: its rows begin (at position 0) or extend its NanoSpec set and its
+        lookup; without attention metadata, one set for all rows and no lookup (see the module docstring)."""
         spans = _request_spans()
         if spans is None:
             self._row_keys = []
-            _feed(self.spechead_head(), input_ids, positions)
+            if self.nanospec:
+                _feed(self.spechead_head(), input_ids, positions)
             return
         for key, a, b in spans:
-            head = self._sets.pop(key, None)
-            new = head is None
-            if new:  # a new request: a fresh set, or the least recently used one's, reset
-                head = self._sets.popitem(last=False)[1] if len(self._sets) >= self._max_sets else self._new_set()
-            SETS_BEGUN[0] += _feed(head, input_ids[a:b], positions[a:b], new)
-            self._sets[key] = head
+            if self.nanospec:
+                head = self._sets.pop(key, None)
+                new = head is None
+                if new:  # a new request: a fresh set, or the least recently used one's, reset
+                    head = self._sets.popitem(last=False)[1] if len(self._sets) >= self._max_sets else self._new_set()
+                SETS_BEGUN[0] += _feed(head, input_ids[a:b], positions[a:b], new)
+                self._sets[key] = head
+            if self.lookup_first:
+                lookup = self._lookups.pop(key, None)
+                if lookup is None or (b > a and int(positions[a]) == 0):  # a new request, or a prompt on its block
+                    lookup = ContextLookup()
+                    if len(self._lookups) >= self._max_sets:
+                        self._lookups.popitem(last=False)
+                lookup.extend(input_ids[a:b].tolist())
+                self._lookups[key] = lookup
         self._row_keys = [key for key, _, _ in spans]
+
+    def _looked_up(self, rows: int) -> list[int | None]:
+        """Each draft row's token from its request's context lookup (None: no match, or no request known)."""
+        keys = self._row_keys
+        if not self.lookup_first or len(keys) != rows:
+            return [None] * rows
+        found = [next(iter(self._lookups[k].propose(1)), None) for k in keys]
+        LOOKUP_TOKENS[0] += sum(t is not None for t in found)
+        return found
 
     def _new_set(self) -> NanoSpecHead:
         with torch.no_grad():
@@ -175,19 +210,34 @@ class SpecheadDraftHead(nn.Module):
         return torch.cat([score(self._sets[k], h[i : i + 1]) for i, k in enumerate(keys)])
 
     def get_top_tokens(self, hidden_states: Tensor) -> Tensor:
-        """The head's top-1 target id per row [B] (greedy drafts with ``use_local_argmax_reduction``)."""
-        if self._row_keys:
-            return self._per_row(hidden_states, lambda head, h: head.topk(h, 1)[1][:, 0])
-        self._count()
-        return self.spechead_head().topk(hidden_states, 1)[1][:, 0]
+        """The head's top-1 target id per row [B] (greedy drafts with ``use_local_argmax_reduction``), or the
+        context lookup's token where lookup first finds one."""
+        if self.nanospec and self._row_keys:
+            top = self._per_row(hidden_states, lambda head, h: head.topk(h, 1)[1][:, 0])
+        else:
+            self._count()
+            top = self.spechead_head().topk(hidden_states, 1)[1][:, 0]
+        found = self._looked_up(top.shape[0])
+        rows = [i for i, t in enumerate(found) if t is not None]
+        if rows:
+            top = top.clone()
+            top[rows] = torch.tensor([found[i] for i in rows], dtype=top.dtype, device=top.device)
+        return top
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """[B, V] logits over the target vocabulary, -inf outside what the head can propose (vLLM's default
-        path and sampled drafts; greedy drafts should go through ``get_top_tokens``)."""
-        if self._row_keys:
-            return self._per_row(hidden_states, lambda head, h: head.reference_logits(h)).to(hidden_states.dtype)
-        self._count()
-        return self.spechead_head().reference_logits(hidden_states).to(hidden_states.dtype)
+        path and sampled drafts; greedy drafts should go through ``get_top_tokens``); a row the context lookup
+        drafts is one-hot on its token (the draft is that token with probability 1)."""
+        if self.nanospec and self._row_keys:
+            logits = self._per_row(hidden_states, lambda head, h: head.reference_logits(h)).to(hidden_states.dtype)
+        else:
+            self._count()
+            logits = self.spechead_head().reference_logits(hidden_states).to(hidden_states.dtype)
+        for i, t in enumerate(self._looked_up(logits.shape[0])):
+            if t is not None:
+                logits[i] = float("-inf")
+                logits[i, t] = 0.0
+        return logits
 
 
 def _feed(head: DraftHead, ids: Tensor, positions: Tensor, new: bool = False) -> bool:

@@ -122,11 +122,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "spec": _delta(_spec_counters(llm), before),
         }
     try:
-        from spechead.integrations.vllm.model import HEAD_CALLS, SETS_BEGUN
+        from spechead.integrations.vllm.model import HEAD_CALLS, LOOKUP_TOKENS, SETS_BEGUN
 
         result["head_calls"], result["sets_begun"] = dict(HEAD_CALLS), SETS_BEGUN[0]
+        result["lookup_tokens"] = LOOKUP_TOKENS[0]
     except ImportError:  # vLLM without the plugin's dependencies: nothing to count
-        result["head_calls"], result["sets_begun"] = {}, 0
+        result["head_calls"], result["sets_begun"], result["lookup_tokens"] = {}, 0, 0
     return result
 
 
