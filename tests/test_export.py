@@ -92,6 +92,9 @@ def test_export_nanospec_carries_its_options(tiny_target, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [VLLM_ARCH] and cfg[CONFIG_KEY]["head"] == spec
     assert "lm_head_rank" not in cfg and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert "lookup_first" not in cfg[CONFIG_KEY]
+    first = export_vllm(d, _head(d, tiny_target, "full"), "full", tmp_path / "first", lookup_first=True)
+    assert json.loads((first / "config.json").read_text())[CONFIG_KEY]["lookup_first"] is True
 
 
 def test_cached_export_follows_the_drafters_weights(tiny_dir, tiny_target, tmp_path):

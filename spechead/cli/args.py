@@ -9,7 +9,8 @@ import argparse
 AUTO_TREE_HELP = (
     "draft tree: 'auto' (default: the tree `spechead tune` measured fastest for this machine, target, drafter "
     "and head; tuned on first use, then cached), 'top_k,depth,total_tokens' or 'chain:N', optionally "
-    "'+lookup:L' (a context-lookup branch of up to L tokens)"
+    "'+lookup:L' (a context-lookup branch of up to L tokens), or 'chain:N+lookup-first' (the chain's tokens "
+    "from the context lookup where it matches: how vLLM's one chain uses it)"
 )
 
 
