@@ -111,7 +111,7 @@ def main() -> int:
             pair[name] = spawn(jobs[name], timeout_s=1500, cores=f"0-{a.threads - 1}")
             speeds = {b: round(r["tok_s"], 1) for b, r in pair[name]["runs"].items()}
             print(f"pair {i + 1} {name}: tok/s {speeds} ({time.perf_counter() - t:.0f} s)", flush=True)
-            out.write_text(json.dumps(res, indent=1))
+            out.write_text(json.dumps(res))  # compact: every pass keeps its outputs
     md = summary(res)
     out.with_suffix(".md").write_text(
         f"CPU: {res['cpu']}, {a.threads} threads, torch {res['torch']}; vLLM {'eager' if a.eager else 'compiled'}; "
