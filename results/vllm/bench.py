@@ -81,7 +81,11 @@ def main() -> int:
     p.add_argument("--max-prompt-len", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=80)
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names from compare.METHODS")
+    p.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated names from compare.METHODS (default: every one that runs with --k; lookup first: k 1)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=3, help="speculative tokens a round (a chain of k in both engines)")
     p.add_argument("--repeats", type=int, default=3, help="vLLM passes over the prompts per batch size (median)")
@@ -106,6 +110,12 @@ def main() -> int:
     ids = prompts(session, args.prompts, args.max_prompt_len)
     batches = [int(x) for x in args.batches.split(",")]
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    names = names or [n for n, m in METHODS.items() if args.k == 1 or not m.lookup_first]
+    for n in names:
+        if n not in METHODS:
+            p.error(f"unknown method {n!r}; known: {', '.join(METHODS)}")
+        if METHODS[n].lookup_first and args.k != 1:
+            p.error(f"{n!r} drafts one token a round: run it with --k 1")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     cores = f"0-{args.threads - 1}"
     out = Path(args.out)
