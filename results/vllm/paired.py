@@ -72,6 +72,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=80)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eager", action="store_true", help="vLLM eager (default: compiled, vLLM's faster mode)")
+    p.add_argument("--child", default="", help="a script run in place of run.py for the method (an experiment)")
     a = p.parse_args()
     if a.method not in METHODS:
         p.error(f"--method must be one of {', '.join(METHODS)}; got {a.method!r}")
@@ -100,6 +101,7 @@ def main() -> int:
         "batches": list(batches),
         "max_new_tokens": a.max_new_tokens,
         "prompts": ids,
+        "child": a.child,
         "pairs": [],
     }
     out = Path(a.out)
@@ -108,7 +110,8 @@ def main() -> int:
         res["pairs"].append(pair)
         for name in (AR, a.method) if i % 2 == 0 else (a.method, AR):  # ABBA: drift within a pair cancels over two
             t = time.perf_counter()
-            pair[name] = spawn(jobs[name], timeout_s=1500, cores=f"0-{a.threads - 1}")
+            script = a.child if name != AR and a.child else None
+            pair[name] = spawn(jobs[name], timeout_s=1500, cores=f"0-{a.threads - 1}", script=script)
             speeds = {b: round(r["tok_s"], 1) for b, r in pair[name]["runs"].items()}
             print(f"pair {i + 1} {name}: tok/s {speeds} ({time.perf_counter() - t:.0f} s)", flush=True)
             out.write_text(json.dumps(res))  # compact: every pass keeps its outputs
@@ -117,6 +120,7 @@ def main() -> int:
         f"CPU: {res['cpu']}, {a.threads} threads, torch {res['torch']}; vLLM {'eager' if a.eager else 'compiled'}; "
         f"{len(ids)} prompts x {a.max_new_tokens} new tokens, greedy; {a.method}, chain of {a.k}"
         + (f", chain by batch size {a.schedule}" if a.schedule else "")
+        + (f"; the method's processes run {a.child}" if a.child else "")
         + f"; {a.pairs} pairs of processes (AR / method, alternating order), each timing {a.repeats} passes per "
         f"batch size (median)\n\n{md}\n"
     )

@@ -47,12 +47,16 @@ def vllm_env(cores: str | None = None) -> dict[str, str]:
     return env
 
 
-def spawn(job: dict[str, Any], timeout_s: float = 900, cores: str | None = None) -> dict[str, Any]:
-    """Run ``job`` in a new interpreter of this venv; raise with its log tail when it fails."""
+def spawn(
+    job: dict[str, Any], timeout_s: float = 900, cores: str | None = None, script: str | None = None
+) -> dict[str, Any]:
+    """Run ``job`` in a new interpreter of this venv; raise with its log tail when it fails. ``script``: a file
+    run in place of this module (same arguments: job and result paths), for an experiment that patches vLLM first."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        cmd = [sys.executable, "-m", "spechead.integrations.vllm.run", str(job_path), str(out_path)]
+        runner = [script] if script else ["-m", "spechead.integrations.vllm.run"]
+        cmd = [sys.executable, *runner, str(job_path), str(out_path)]
         proc = subprocess.run(cmd, env=vllm_env(cores), capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not out_path.is_file():
             raise RuntimeError(f"vLLM job failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
