@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,7 +76,7 @@ def main() -> int:
 
     from spechead.decoding.session import Session
     from spechead.integrations.vllm.compare import METHODS, export_dir, parse_schedule, vllm_config, vllm_job
-    from spechead.integrations.vllm.run import vllm_env
+    from spechead.integrations.vllm.run import spawn
     from spechead.tuning.measure import cpu_name
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,14 +94,7 @@ def main() -> int:
     res = {"cpu": cpu_name(), "threads": a.threads, "torch": torch.__version__, "batch": a.batch, "k": a.k,
            "schedule": a.schedule, "runs": {}}  # fmt: skip
     for name, job in jobs.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
-            jp.write_text(json.dumps(job))
-            cmd = [sys.executable, __file__, "--child", str(jp), str(op)]
-            proc = subprocess.run(cmd, env=vllm_env(f"0-{a.threads - 1}"), capture_output=True, text=True)
-            if proc.returncode:
-                raise RuntimeError(f"{name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-            res["runs"][name] = r = json.loads(op.read_text())
+        res["runs"][name] = r = spawn(job, timeout_s=1500, cores=f"0-{a.threads - 1}", script=__file__)
         print(f"{name}: {r['tok_s']:.1f} tok/s (passes {[round(x, 1) for x in r['tok_s_passes']]})")
         for label, m in r["ms"].items():
             print(f"  {label:24s} {m['calls']:6d} calls {m['ms_per_call']:8.2f} ms/call")
@@ -113,7 +104,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 3 and not sys.argv[1].startswith("-"):  # run.spawn's child: job and result paths
+        child(sys.argv[1], sys.argv[2])
         sys.exit(0)
     sys.exit(main())

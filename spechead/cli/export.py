@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spechead.cli.args import add_drafter, add_head, add_target
 from spechead.errors import SpecheadError
-from spechead.integrations.vllm.export import FORMATS, HEADS, VLLM_METHOD, export_vllm
+from spechead.integrations.vllm.export import FORMATS, HEADS, VLLM_METHOD, export_vllm, keeps_request_state
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -30,7 +30,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         head = session.draft_head(drafter, args.head)
     out = export_vllm(drafter, head, args.head, out, getattr(drafter, "spechead_source", ""), args.lookup_first)
     print(f"wrote {out} ({args.head} head{', lookup first' if args.lookup_first else ''})")
-    per_request = args.lookup_first or args.head.partition(":")[0] == "nanospec"  # state kept per request
+    per_request = keeps_request_state(args.head, args.lookup_first)  # vLLM settings the plugin needs then
     print(
         "vLLM: LLM(TARGET, speculative_config={"
         f'"method": "{VLLM_METHOD[drafter.arch]}", "model": "{out.resolve()}", '

@@ -18,6 +18,7 @@ from typing import Any
 from spechead.cache import cache_dir
 from spechead.decoding.session import DEMO_DRAFTERS, Session
 from spechead.decoding.tree import TreeConfig
+from spechead.integrations.vllm.export import keeps_request_state
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Method:
     @property
     def per_request(self) -> bool:
         """State kept per request (a NanoSpec head, a context lookup), which needs vLLM set up for it (the plugin)."""
-        return self.head.partition(":")[0] == "nanospec" or self.lookup_first
+        return keeps_request_state(self.head, self.lookup_first)
 
     @property
     def drafter_path(self) -> Path:

@@ -32,6 +32,12 @@ FORMATS = ("vllm",)
 HEADS = ("full", "lowrank", "fr", "vocabtrim", "nanospec")  # what the plugin's drafter class runs (see its docs)
 
 
+def keeps_request_state(spec: str, lookup_first: bool = False) -> bool:
+    """Whether the plugin keeps state per request for this head choice (a NanoSpec set, a context lookup): vLLM must
+    then run with prefix caching off and an unpadded drafter batch (see the plugin)."""
+    return lookup_first or spec.partition(":")[0] == "nanospec"
+
+
 def export_vllm(drafter: Any, head: Any, spec: str, out: Path, source: str = "", lookup_first: bool = False) -> Path:
     """Write ``drafter`` (a spechead EAGLE-3 or EAGLE-2 drafter) with the built spechead ``head`` of spec ``spec``
     to ``out``; ``lookup_first``: draft from the context lookup where it matches (see the module docstring)."""

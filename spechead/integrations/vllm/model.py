@@ -55,7 +55,7 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from spechead.decoding.tree import ContextLookup
 from spechead.heads import DraftHead, make_head
 from spechead.heads.nanospec import NanoSpecHead
-from spechead.integrations.vllm.export import CONFIG_KEY
+from spechead.integrations.vllm.export import CONFIG_KEY, keeps_request_state
 from spechead.model.lowrank import LowRankLinear
 
 NANOSPEC_DEFAULTS = {"policy": "lru", "gather": "sync"}
@@ -74,7 +74,7 @@ class SpecheadDraftHead(nn.Module):
         self.head_spec: str = opts.get("head", "full")
         self.nanospec = self.head_spec.partition(":")[0] == "nanospec"  # a head with state per request
         self.lookup_first = bool(opts.get("lookup_first"))  # a context lookup per request
-        self.per_request = self.nanospec or self.lookup_first
+        self.per_request = keeps_request_state(self.head_spec, self.lookup_first)
         self.folder = Path(vllm_config.speculative_config.draft_model_config.model)
         self.target_vocab = vllm_config.model_config.get_vocab_size()
         self.has_own_lm_head = False  # until load_weights finds a head in the checkpoint
