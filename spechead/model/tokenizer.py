@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from spechead.errors import SpecheadError
@@ -56,12 +55,6 @@ def model_vocab_size(tok, spec: str | Path) -> int:
         except (KeyError, ValueError, json.JSONDecodeError):
             pass
     return vocab_size
-
-
-@dataclass
-class ChatPrompt:
-    ids: list[int]
-    text: str
 
 
 def encode_chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:

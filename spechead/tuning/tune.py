@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from spechead.decoding.session import Session
-from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError, say_once
 from spechead.tuning.calibrate import measure
 from spechead.tuning.result import TuneError, TuneResult, fallback_result
@@ -159,7 +158,3 @@ def resolve(session, drafter, head: str = "full", threads: int | None = None, pr
     if res.measured and progress:
         say_once(f"spechead: --tree auto: {summary_line(res)}" + (f"; cached in {res.path}" if res.path else ""))
     return res
-
-
-def resolve_tree(session, drafter, head: str = "full", threads: int | None = None) -> TreeConfig:
-    return resolve(session, drafter, head, threads).tree

@@ -275,11 +275,3 @@ class SpecheadEagle3ForCausalLM(SpecheadDraftHead, Eagle3LlamaForCausalLM):
 
 class SpecheadEagleForCausalLM(SpecheadDraftHead, EagleLlamaForCausalLM):
     """vLLM's EAGLE-1/2 backbone with a spechead draft head (over the target's LM head, or low-rank factors)."""
-
-
-def head_module(model: nn.Module) -> SpecheadDraftHead | None:
-    """The spechead drafter inside a (possibly wrapped) vLLM draft model, or None."""
-    for m in model.modules():
-        if isinstance(m, SpecheadDraftHead):
-            return m
-    return None
