@@ -17,7 +17,7 @@ from spechead.bench.analysis import add_speedup_model, committed_past
 from spechead.bench.harness import bench_loop, make_report_data, write_outputs
 from spechead.bench.methods import MethodSpec, expand_methods
 from spechead.bench.projection import project
-from spechead.bench.report import nanospec_options, write_report
+from spechead.bench.report import nanospec_w_max, write_report
 from spechead.bench.runners import run_prompt
 from spechead.bench.runs import Run
 from spechead.bench.suites import MT_BENCH, load_suite
@@ -214,14 +214,13 @@ def test_report_files_from_a_small_result(tmp_path):
 
 
 def test_wmax_sweep_plot_and_option_parsing(tmp_path):
-    assert nanospec_options("nanospec") == (None, "ctx+ext")
-    assert nanospec_options("nanospec:1024") == (1024, "ctx+ext")
-    assert nanospec_options("nanospec:sources=ext") == (None, "ext")
-    assert nanospec_options("nanospec:sources=ext@4,4,16") is None  # another tree would confound the sweep
-    assert nanospec_options("nanospec:1024:policy=lru") is None and nanospec_options("fr:8192") is None
+    assert nanospec_w_max("nanospec") == 0
+    assert nanospec_w_max("nanospec:1024") == 1024
+    assert nanospec_w_max("nanospec:1024@4,4,16") is None  # another tree would confound the sweep
+    assert nanospec_w_max("nanospec:1024:policy=lru") is None and nanospec_w_max("fr:8192") is None
     _, out = fake_run()
     base = out["methods"]["nanospec"]
-    for name, tau in (("nanospec:512", 1.5), ("nanospec:1024", 1.8), ("nanospec:sources=ctx", 1.6)):
+    for name, tau in (("nanospec:512", 1.5), ("nanospec:1024", 1.8)):
         out["methods"][name] = {**base, "tau": tau}
     write_report(out, tmp_path)
     assert (tmp_path / "wmax_sweep.png").is_file()

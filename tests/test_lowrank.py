@@ -7,8 +7,8 @@ from spechead import kernels
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
-from spechead.heads.base import fast_topk, make_head
-from spechead.heads.lowrank import LowRankHead, LowRankScorer, fast_topk_logprobs
+from spechead.heads.base import fast_topk, make_head, topk_logprobs
+from spechead.heads.lowrank import LowRankHead, LowRankScorer
 from spechead.heads.tokenmaps import save_token_map
 from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import random_drafter
@@ -108,16 +108,12 @@ def test_head_uses_a_drafters_own_low_rank_head_and_maps_reduced_rows():
     assert LowRankHead(m, row_ids, 96, rank=3).scorer.rank == 3  # re-truncated, not re-trained
 
 
-def test_scorer_candidates_skip_excluded_rows():
+def test_scorer_scores_every_row_with_its_factors():
     m = LowRankLinear.from_random(32, 96, 8, generator=torch.Generator().manual_seed(7))
     scorer = LowRankScorer.from_weight(m)
     h = torch.randn(3, 32)
-    exclude = torch.zeros(96, dtype=torch.bool)
-    exclude[::3] = True
-    got = scorer.candidates(h, 6, exclude)
-    want = m(h).masked_fill(exclude, float("-inf")).topk(6, dim=-1).indices
-    assert torch.equal(got, want) and not bool(exclude[got].any())
-    assert scorer.nbytes == (96 * 8 + 8 * 32) * 4
+    torch.testing.assert_close(scorer.logits(h), m(h), rtol=1e-5, atol=1e-5)
+    assert scorer.rank == 8 and scorer.nbytes == (96 * 8 + 8 * 32) * 4
 
 
 def test_bad_ranks():
@@ -163,7 +159,7 @@ def test_fast_topk_is_exact(V, k):
     assert torch.equal(vals, want.values)
     assert torch.equal(x.gather(1, idx), vals)  # indices point at those values (ties may pick others)
     assert torch.equal(idx[2:], want.indices[2:])  # distinct values: the same indices
-    logp, i2 = fast_topk_logprobs(x, k)
+    logp, i2 = topk_logprobs(x, k)
     torch.testing.assert_close(logp, x.log_softmax(-1).gather(1, i2))
 
 

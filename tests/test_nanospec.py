@@ -11,12 +11,10 @@ from spechead.decoding.decoder import Decoder
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.heads.base import make_head
-from spechead.heads.hybrid import HybridHead
-from spechead.heads.lowrank import LowRankScorer
+from spechead.heads.hybrid import HYBRID_FREQ, HybridHead, frequent_ids
 from spechead.heads.nanospec import NanoSpecHead
 from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
-from spechead.model.lowrank import svd_factors
 
 V, D = 200, 16
 
@@ -61,28 +59,25 @@ def feed(head, g, rounds=6, nodes=5):
         tree = torch.randint(0, V, (nodes,), generator=g)
         logits = torch.randn(nodes, V, generator=g)
         committed = tree[: 1 + int(torch.randint(0, nodes, (1,), generator=g))].tolist()
-        k = max(head.ext_topk, 1)
-        seen |= set(tree.tolist()) | set(committed) | set(logits.topk(k, dim=-1).indices.flatten().tolist())
+        top = logits.topk(head.ext_topk, dim=-1).indices
+        seen |= set(tree.tolist()) | set(committed) | set(top.flatten().tolist())
         head.observe(tree, logits, committed)
     return seen
 
 
-@pytest.mark.parametrize("ext_topk", [0, 1, 3])
-@pytest.mark.parametrize("sources", ["ctx+ext", "ctx", "ext"])
-def test_set_sources_and_topk_match_brute_force(ext_topk, sources):
+@pytest.mark.parametrize("cls", [NanoSpecHead, HybridHead])
+def test_set_sources_and_topk_match_brute_force(cls):
+    """Ctx (prompt ids, the target's top-3 at the prompt rows) then Ext (committed, the target's top-k at the
+    nodes, the tree) build the set; top-k is the log-softmax over exactly that set."""
     g = torch.Generator().manual_seed(1)
     w = weight()
-    head = NanoSpecHead(w, None, V, w_max=V, ext_topk=ext_topk, sources=sources)
+    head = cls(w, None, V, w_max=V)
     prompt = torch.randint(0, V, (7,), generator=g)
     plog = torch.randn(7, V, generator=g)
     head.begin(prompt, plog)
-    expected = set()
-    if sources != "ext":
-        expected = set(prompt.tolist()) | set(plog.topk(3, dim=-1).indices.flatten().tolist())
+    expected = set(prompt.tolist()) | set(plog.topk(3, dim=-1).indices.flatten().tolist())
     assert check_invariants(head, w) == expected
-    ext = feed(head, g)
-    if sources != "ctx":
-        expected |= ext
+    expected |= feed(head, g)
     got = check_invariants(head, w)
     assert got == expected
     h = torch.randn(3, D, generator=g)
@@ -173,19 +168,18 @@ def test_cpp_set_update_equals_the_python_reference(policy, reduced, monkeypatch
 
 def test_lru_evicts_least_recently_hit():
     w = weight()
-    head = NanoSpecHead(w, None, V, w_max=4, ext_topk=0, policy="lru", sources="ext")
-    head.begin(torch.tensor([0]), None)
+    head = NanoSpecHead(w, None, V, w_max=5, ctx_topk=0, policy="lru", ext_from="tokens")
+    head.begin(torch.tensor([0]), None)  # round 0: {0}
 
-    def round_(tree, argmax):
-        logits = torch.zeros(len(tree), V)
-        logits[torch.arange(len(tree)), torch.tensor(argmax)] = 1.0
-        head.observe(torch.tensor(tree), logits, [tree[0]])
+    def round_(tree):
+        head.observe(torch.tensor(tree), torch.zeros(len(tree), V), [tree[0]])
 
-    round_([10, 11], [10, 11])  # round 1: {10, 11}
-    round_([12, 13], [12, 13])  # round 2: {10, 11, 12, 13} full
-    round_([11, 13], [11, 13])  # round 3 hits 11, 13
-    round_([20, 20], [20, 20])  # round 4: evicts the oldest hit (10, last hit in round 1)
-    assert check_invariants(head, w) == {11, 12, 13, 20}
+    round_([10, 11])  # round 1: {0, 10, 11}
+    round_([12, 13])  # round 2: {0, 10, 11, 12, 13} full
+    round_([11, 13])  # round 3 hits 11, 13
+    round_([20, 21])  # round 4: evicts the two least recently hit (0 in round 0, 10 in round 1)
+    assert check_invariants(head, w) == {11, 12, 13, 20, 21}
+    assert head.evicted == 2
 
 
 def test_ext_from_tokens_takes_no_target_logits_and_extend_adds_ids():
@@ -206,61 +200,38 @@ def test_ext_from_tokens_takes_no_target_logits_and_extend_adds_ids():
 
 def test_coverage_telemetry_on_a_hand_made_sequence():
     w = weight()
-    head = NanoSpecHead(w, None, V, w_max=V, ext_topk=0, ctx_topk=0)
+    head = NanoSpecHead(w, None, V, w_max=V, ctx_topk=0, ext_from="tokens")
     head.begin(torch.tensor([1, 2, 3]), None)
-
-    def logits_with_argmax(*ids):
-        out = torch.zeros(len(ids), V)
-        out[torch.arange(len(ids)), torch.tensor(ids)] = 1.0
-        return out
-
-    head.observe(torch.tensor([3, 4]), logits_with_argmax(5, 6), [1, 7])  # 1 in, 7 out
-    assert check_invariants(head, w) == {1, 2, 3, 4, 5, 6, 7}
-    head.observe(torch.tensor([7, 8]), logits_with_argmax(8, 9), [7, 8, 2])  # 7 and 2 in, 8 out
-    head.observe(torch.tensor([2]), logits_with_argmax(10), [99])  # out
+    nodes = torch.zeros(2, V)  # the target's logits: unread with ext_from=tokens
+    head.observe(torch.tensor([3, 4]), nodes, [1, 7])  # 1 in, 7 out
+    assert check_invariants(head, w) == {1, 2, 3, 4, 7}
+    head.observe(torch.tensor([7, 8]), nodes, [7, 8, 2])  # 7 and 2 in, 8 out
+    head.observe(torch.tensor([2]), nodes[:1], [99])  # out
     trace = head.trace
-    assert [t["active"] for t in trace] == [3, 7, 9]
+    assert [t["active"] for t in trace] == [3, 5, 6]
     assert [t["hits"] for t in trace] == [1, 2, 0]
     assert [t["coverage"] for t in trace] == pytest.approx([1 / 2, 3 / 5, 3 / 6])
     st = head.stats()
     assert st["coverage"] == pytest.approx(0.5)
-    assert st["active_mean"] == pytest.approx(19 / 3)
-    assert st["active_size"] == 11 and st["rounds"] == 3
+    assert st["active_mean"] == pytest.approx(14 / 3)
+    assert st["active_size"] == 7 and st["rounds"] == 3
 
 
-def test_hybrid_topk_matches_brute_force_over_the_union():
-    g = torch.Generator().manual_seed(4)
-    w = weight()
-    head = HybridHead(w, None, V, w_max=V, m=5, rank=4, escape_calls=1)
-    prompt = torch.randint(0, V, (6,), generator=g)
-    head.begin(prompt, torch.randn(6, V, generator=g))
-    feed(head, g, rounds=2)
-    got = sorted(check_invariants(head, w))
-    h = torch.randn(3, D, generator=g)
-    up, down = svd_factors(w, 4)
-    score = ((h @ down.T) @ up.T).index_fill(1, torch.tensor(got), float("-inf"))
-    esc = score.topk(5, dim=-1).indices
-    logp, ids = head.topk(h, 4)  # first call of the round: escape on
-    for b in range(3):
-        ref_lp, ref_ids = brute_topk(h[b : b + 1], w, {i: i for i in range(V)}, got + esc[b].tolist(), 4)
-        torch.testing.assert_close(logp[b : b + 1], ref_lp)
-        assert torch.equal(ids[b : b + 1], ref_ids)
-    logp2, ids2 = head.topk(h, 4)  # second call: the set only
-    ref_lp, ref_ids = brute_topk(h, w, {i: i for i in range(V)}, got, 4)
-    torch.testing.assert_close(logp2, ref_lp)
-    assert torch.equal(ids2, ref_ids)
-
-
-def test_hybrid_escape_add_all_grows_the_set():
-    g = torch.Generator().manual_seed(5)
-    w = weight()
-    head = HybridHead(w, None, V, w_max=V, m=3, scorer=LowRankScorer(*svd_factors(w, 4)), escape_add="all")
+def test_hybrid_pins_the_most_frequent_ids():
+    """Where the vocabulary has a frequency list, the hybrid pins its first HYBRID_FREQ ids (those the drafter
+    has) in every request's set; a W_max without room for them pins none."""
+    big = 49152  # the demo's vocabulary, for which a frequency list ships
+    want = frequent_ids(HYBRID_FREQ, big, None)
+    w = torch.randn(big, 4, generator=torch.Generator().manual_seed(6))
+    head = HybridHead(w, None, big)
+    assert head.n_pin == HYBRID_FREQ and torch.equal(head.ids[:HYBRID_FREQ], want)
     head.begin(torch.tensor([1, 2]), None)
-    _, ids = head.topk(torch.randn(1, D, generator=g), 2)
-    proposed = set(head._escaped[0].tolist())
-    assert len(proposed) == 3 and not proposed & {1, 2}
-    head.observe(torch.tensor([1]), torch.randn(1, V, generator=g), [2])
-    assert proposed <= check_invariants(head, w)
+    assert set(want.tolist()) | {1, 2} == set(head.state()[0].tolist())
+    assert HybridHead(w, None, big, w_max=4 * HYBRID_FREQ - 1).n_pin == 0
+    row_ids = torch.arange(0, big, 2)  # a drafter with every other id: only those are pinned
+    reduced = HybridHead(w[: row_ids.numel()], row_ids, big)
+    assert reduced.n_pin == HYBRID_FREQ and bool((reduced.ids[:HYBRID_FREQ] % 2 == 0).all())
+    assert frequent_ids(HYBRID_FREQ, V, None) is None and HybridHead(weight(), None, V).n_pin == 0
 
 
 @pytest.mark.parametrize(
@@ -270,18 +241,16 @@ def test_hybrid_escape_add_all_grows_the_set():
         "nanospec:-3",
         f"nanospec:{V + 1}",
         "nanospec:abc",
-        "nanospec:64:ext_topk=x",
+        "nanospec:64:ctx_topk=x",
+        "nanospec:64:ctx_topk=-1",
+        "nanospec:64:ctx_topk=65",
         "nanospec:64:policy=fifo",
-        "nanospec:64:sources=ctx+freq",
         "nanospec:64:gather=gpu",
+        "nanospec:64:ext_from=nodes",
         "nanospec:64:bogus=1",
         "nanospec:64:3",
-        "nanospec:64:ext_topk=-1",
-        "nanospec:64:freq=64",
-        "hybrid:64:rank=16",
-        "hybrid:64:rank=0",
-        "hybrid:64:m=-1",
-        "hybrid:64:escape_add=some",
+        "hybrid:64:policy=fifo",
+        "hybrid:64:m=8",
     ],
 )
 def test_bad_input_is_a_clear_error(spec):
@@ -296,42 +265,28 @@ def test_pinned_ids_are_validated():
         NanoSpecHead(weight(), None, V, w_max=2, pinned=torch.tensor([1, 2]))
 
 
-def test_ctx_rows_reads_the_targets_guesses_at_the_last_prompt_rows_only(target):
+def test_the_prefill_computes_the_target_logits_at_the_rows_the_head_asks_for(target):
     g = torch.Generator().manual_seed(4)
-    w = weight()
-    head = NanoSpecHead(w, None, V, w_max=V, sources="ctx", ctx_rows=2)
-    prompt = torch.randint(0, V, (7,), generator=g)
-    plog = torch.randn(7, V, generator=g)
-    head.begin(prompt, plog)  # every row given: the last two are read
-    assert check_invariants(head, w) == set(prompt.tolist()) | set(plog[-2:].topk(3, dim=-1).indices.flatten().tolist())
-    head.begin(prompt, plog[-2:])  # what the decoder's prefill computes for it
-    assert check_invariants(head, w) == set(prompt.tolist()) | set(plog[-2:].topk(3, dim=-1).indices.flatten().tolist())
-    # the decoder asks the prefill for those rows only, and decoding stays lossless
     drafter = random_drafter(target, "eagle2", seed=0)
     dw, rows = drafter.head_weight(target)
-    dec = Decoder(
-        target, drafter, make_head("nanospec:ctx_rows=3", dw, rows, target.config.vocab_size), TreeConfig(3, 3, 10), 256
-    )
+    dec = Decoder(target, drafter, make_head("nanospec", dw, rows, target.config.vocab_size), TreeConfig(3, 3, 10), 256)
     seen = []
     begin = dec.head.begin
     dec.head.begin = lambda ids, logits: (seen.append(logits.shape[0]), begin(ids, logits))[1]
     prompt = torch.randint(0, 64, (12,), generator=g)
     assert dec.generate(prompt, 20).tokens == dec.generate(prompt, 20, speculative=False).tokens
-    assert seen == [3]
-    for bad in ("-1", "x", "1.5"):
-        with pytest.raises(SpecheadError, match="ctx_rows"):
-            make_head(f"nanospec:ctx_rows={bad}", dw, rows, target.config.vocab_size)
+    assert seen == [dec.head.prompt_logit_rows(12, target.config)]
 
 
 def test_ctx_rows_auto_bounds_the_heads_share_of_the_prefill(target):
     """Every row where the head is small against the blocks, the last share of them where it dominates; never more than
-    CTX_ROWS_CAP rows, whatever the prompt's length (ctx_rows=0 asks for every row)."""
+    CTX_ROWS_CAP rows, whatever the prompt's length; ctx_topk=0 needs the last row only."""
     from dataclasses import replace
 
     from spechead.heads.nanospec import CTX_HEAD_SHARE, CTX_ROWS_CAP
 
     cfg = target.config
-    head = NanoSpecHead(weight(), None, V, w_max=32)  # ctx_rows=auto is the default
+    head = NanoSpecHead(weight(), None, V, w_max=32)
     ratio = cfg.vocab_size * cfg.hidden_size / cfg.block_macs()
     for n in (1, 5, 40, 300):
         assert head.prompt_logit_rows(n, cfg) == max(1, min(n, CTX_ROWS_CAP, math.ceil(n * CTX_HEAD_SHARE / ratio)))
@@ -341,8 +296,6 @@ def test_ctx_rows_auto_bounds_the_heads_share_of_the_prefill(target):
     assert head.prompt_logit_rows(40, small) == 40  # a short prompt: every row
     assert head.prompt_logit_rows(3000, small) == CTX_ROWS_CAP  # a long one: the cap
     assert head.prompt_logit_rows(300, replace(cfg, vocab_size=1 << 30)) == 1  # never fewer than the last row
-    assert NanoSpecHead(weight(), None, V, w_max=32, ctx_rows=0).prompt_logit_rows(300, big) == 300
-    assert NanoSpecHead(weight(), None, V, w_max=32, ctx_rows=500).prompt_logit_rows(3000, cfg) == 500
     assert NanoSpecHead(weight(), None, V, w_max=32, ctx_topk=0).prompt_logit_rows(300, cfg) == 1
 
 
@@ -352,11 +305,14 @@ def test_prompt_logits_must_cover_exactly_the_prompt():
         head.begin(torch.tensor([1, 2]), torch.randn(5, V))
 
 
-LOSSLESS_SPECS = [f"nanospec:ext_topk={k}:sources={s}" for k in (0, 1, 3) for s in ("ctx+ext", "ctx", "ext")] + [
+LOSSLESS_SPECS = [
+    "nanospec",
+    "nanospec:ctx_topk=0",
+    "nanospec:ext_from=tokens",
     "nanospec:8:policy=lru",
     "nanospec:8:policy=stop:gather=async",
     "hybrid",
-    "hybrid:16:m=4:rank=8:escape_calls=9:escape_add=all",
+    "hybrid:16:policy=lru",
 ]
 
 
@@ -381,7 +337,7 @@ def test_greedy_lossless_with_a_reduced_vocabulary_drafter(target):
     drafter = random_drafter(tgt, "eagle3", seed=1, draft_vocab_size=24)
     drafter.set_draft_vocab(torch.arange(0, 64, 2)[:24])
     w, rows = drafter.head_weight(tgt)
-    for spec in ("nanospec", "hybrid:m=4:rank=4"):
+    for spec in ("nanospec", "hybrid"):
         head = make_head(spec, w, rows, 64)
         dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
         prompt = torch.arange(1, 12)
@@ -407,7 +363,7 @@ def test_lossless_with_accepted_drafts_from_a_small_set(tiny_small_vocab_dir):
     tgt = load_target(str(tiny_small_vocab_dir))[0]
     drafter = random_drafter(tgt, "eagle2", seed=0)
     w, rows = drafter.head_weight(tgt)
-    for spec in ("nanospec:6:policy=lru", "hybrid:6:m=2:rank=4"):
+    for spec in ("nanospec:6:policy=lru", "hybrid:6:policy=lru"):
         head = make_head(spec, w, rows, 16)
         dec = Decoder(tgt, drafter, head, TreeConfig(3, 3, 10), 256)
         longest = 0

@@ -17,8 +17,7 @@ How it measures, and why:
 
 Bytes model (e = element size of the dtype): full V*d*e + B*V*e (logits); subset N*d*e + B*N*e;
 low-rank (r*d + V*r)*e + B*V*e; NanoSpec W*d*e + B*W*e per call, plus per round 2*new*d*e (gather
-read + write) and the tree's target logits it reads (nodes*V*e); the hybrid adds, on its escape
-calls, the low-rank scorer's bytes and B*m*d*e for the escape rows.
+read + write) and the tree's target logits it reads (nodes*V*e), the hybrid as NanoSpec.
 """
 
 from __future__ import annotations
@@ -111,7 +110,6 @@ def settings_of(args) -> BenchSettings:
         subset=args.subset,
         rank=args.rank,
         w_max=args.w_max,
-        escape_m=args.escape_m,
         calls_per_round=args.calls_per_round,
         new_per_round=args.new_per_round,
         nodes=args.nodes,

@@ -12,7 +12,6 @@ from spechead.errors import SpecheadError
 PRESETS = {
     "main": "hf,hf-pld,ar,eagle,fr:8192,vocabtrim:8192,nanospec,hybrid,eagle3,lowrank",
     "sweep": "nanospec:512,nanospec:1024,nanospec:2048,nanospec:4096",
-    "ablation": "nanospec:sources=ctx,nanospec:sources=ext",
 }
 
 

@@ -7,7 +7,7 @@ Plots (each skipped when the run has nothing to show for it):
 - ``vocab_evolution.png``: NanoSpec's active size and cumulative coverage over decoding rounds per
   category (NanoSpec's vocabulary-evolution figure);
 - ``latency.png``: per-round milliseconds stacked by phase (drafter backbone, head, gather, verification);
-- ``wmax_sweep.png``: tau and decode tokens/s against W_max, and the Ctx / Ext / both ablation.
+- ``wmax_sweep.png``: tau and decode tokens/s against NanoSpec's W_max.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def _categories(out: dict[str, Any]) -> list[str]:
     return ([c for c in cats if c != "MT"] + (["MT"] if "MT" in cats else [])) if cats else []
 
 
-def nanospec_options(name: str) -> tuple[int | None, str] | None:
-    """(W_max or None for the default, sources) of a plain ``nanospec[:W][:sources=..]`` method, else None
-    (other options, another head or another tree than the run's would confound the sweep)."""
+def nanospec_w_max(name: str) -> int | None:
+    """W_max of a plain ``nanospec[:W]`` method (0 for the default), else None (other options, another head or
+    another tree than the run's would confound the sweep)."""
     head, _, arg = name.partition(":")
     if "@" in name or head != "nanospec" or head not in HEADS:
         return None
@@ -60,9 +60,9 @@ def nanospec_options(name: str) -> tuple[int | None, str] | None:
         opts = HEADS[head].options(arg)
     except SpecheadError:
         return None
-    if set(opts) - {"w_max", "sources"}:
+    if set(opts) - {"w_max"}:
         return None
-    return opts.get("w_max"), opts.get("sources", "ctx+ext")
+    return opts.get("w_max", 0)
 
 
 def plot_speed_tau(out: dict[str, Any], path: Path) -> bool:
@@ -175,44 +175,25 @@ def plot_latency(out: dict[str, Any], path: Path) -> bool:
 
 
 def plot_wmax(out: dict[str, Any], path: Path, default_w: int = 3072) -> bool:
-    sweep, ablation = [], {}
+    sweep = []
     for name, m in out["methods"].items():
-        opt = nanospec_options(name)
-        if opt is None:
-            continue
-        w, src = opt
-        w = w or default_w
-        if src == "ctx+ext":
-            sweep.append((w, m["tau"], m.get("decode_tokens_per_s", float("nan"))))
-        if w == default_w:
-            ablation[{"ctx+ext": "Ctx+Ext", "ctx": "Ctx", "ext": "Ext"}.get(src, src)] = m
-    if len(sweep) < 2 and len(ablation) < 2:
+        w = nanospec_w_max(name)
+        if w is not None:
+            sweep.append((w or default_w, m["tau"], m.get("decode_tokens_per_s", float("nan"))))
+    if len(sweep) < 2:
         return False
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
     sweep.sort()
-    ax = axes[0]
-    if sweep:
-        ax.plot([s[0] for s in sweep], [s[1] for s in sweep], "o-", color="C0", label="tau")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([s[0] for s in sweep], [str(s[0]) for s in sweep])
-        ax.set_xlabel("W_max")
-        ax.set_ylabel("tau", color="C0")
-        ax2 = ax.twinx()
-        ax2.plot([s[0] for s in sweep], [s[2] for s in sweep], "s--", color="C1")
-        ax2.set_ylabel("decode tokens/s", color="C1")
-        ax.set_title("W_max sweep (Ctx+Ext)")
-    ax = axes[1]
-    if ablation:
-        order = [k for k in ("Ctx", "Ext", "Ctx+Ext") if k in ablation]
-        x = range(len(order))
-        ax.bar([i - 0.2 for i in x], [ablation[k]["tau"] for k in order], 0.4, label="tau", color="C0")
-        ax.set_ylabel("tau", color="C0")
-        ax2 = ax.twinx()
-        ax2.bar([i + 0.2 for i in x], [ablation[k].get("decode_tokens_per_s", 0) for k in order], 0.4, color="C1")
-        ax2.set_ylabel("decode tokens/s", color="C1")
-        ax.set_xticks(list(x), order)
-        ax.set_title(f"sources ablation at W_max = {default_w}")
+    ax.plot([s[0] for s in sweep], [s[1] for s in sweep], "o-", color="C0", label="tau")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([s[0] for s in sweep], [str(s[0]) for s in sweep])
+    ax.set_xlabel("W_max")
+    ax.set_ylabel("tau", color="C0")
+    ax2 = ax.twinx()
+    ax2.plot([s[0] for s in sweep], [s[2] for s in sweep], "s--", color="C1")
+    ax2.set_ylabel("decode tokens/s", color="C1")
+    ax.set_title("NanoSpec W_max sweep")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -12,7 +12,7 @@ import torch
 
 from spechead import kernels
 from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, gemm_variants, issue_bars
-from spechead.cli.args import add_threads, non_negative_int, positive_int
+from spechead.cli.args import add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
 from spechead.tuning.measure import cpu_name, llc_bytes
@@ -131,7 +131,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subset", type=positive_int, default=32768, help="size of the fr / vocabtrim subsets")
     p.add_argument("--w-max", type=positive_int, default=3072, help="NanoSpec / hybrid W_max")
     p.add_argument("--rank", type=positive_int, default=None, help="low-rank head rank (default d/8)")
-    p.add_argument("--escape-m", type=non_negative_int, default=8, help="escape ids per row for the hybrid+esc variant")
     p.add_argument(
         "--calls-per-round", type=positive_int, default=6, help="draft calls per round (EAGLE-2 depth 5 + root)"
     )

@@ -33,7 +33,6 @@ class BenchSettings:
     subset: int = 32768  # static-subset size
     rank: int | None = None  # low-rank rank (None: d/8)
     w_max: int = 3072  # NanoSpec's active-set bound
-    escape_m: int = 8  # hybrid escape candidates per row
     calls_per_round: int = 6  # draft calls per round (EAGLE-2's root call + depth 5)
     new_per_round: int = 16  # ids a round adds to an active set
     nodes: int = 60  # tree nodes whose target logits a round observes
@@ -63,7 +62,6 @@ class DraftHead:
 
     name = "head"
     needs_prompt_logits = False
-    prompt_rows = 0  # with needs_prompt_logits: the target's logits at the last N prompt rows only (0: every row)
     per_round = False  # state changes every round (observe): benchmarks time rounds, not single calls
     # takes a drafter's fitted low-rank head that sits beside a full one (EAGLE-2's lowrank_head.safetensors);
     # a drafter whose only head is low-rank (EAGLE-3 trained with one) hands its factors to every head
@@ -95,7 +93,7 @@ class DraftHead:
     def prompt_logit_rows(self, n: int, target_cfg: ModelConfig) -> int:
         """How many of an n-token prompt's last rows the prefill computes the target's logits at (at least the
         last one, which the first token is chosen from); ``begin`` then receives those rows."""
-        return max(1, min(self.prompt_rows or n, n)) if self.needs_prompt_logits else 1
+        return n if self.needs_prompt_logits else 1
 
     def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
         """A new request: reset per-request state. ``prompt_logits`` is [P, V] if asked for."""

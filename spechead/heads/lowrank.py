@@ -5,8 +5,7 @@ every token stays reachable (unlike a truncated vocabulary). The factors come fr
 full head (training-free; the best rank-r approximation, Eckart-Young) or from training: a
 ``LowRankLinear`` module can replace a drafter's ``lm_head`` in the training pipeline.
 
-``LowRankScorer`` is the cheap full-vocabulary scorer other heads reuse (the hybrid head asks it
-for a few candidates outside its active set and then computes exact logits on them).
+``LowRankScorer`` holds the two factors in the draft GEMM's layout and scores every drafter row.
 """
 
 from __future__ import annotations
@@ -21,16 +20,10 @@ from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_he
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors, truncate_factors
 
-# The exact chunked top-k lives with the head interface; re-exported here for the other heads.
-fast_topk_logprobs = topk_logprobs
-
 
 class LowRankScorer:
-    """Cheap scores for every drafter row: ``(h @ down.T) @ up.T``, r(d + V) weights read.
-
-    Used by ``LowRankHead`` and by other heads that need a full-vocabulary escape. Indices it
-    returns are *drafter rows* (map them through the head's ``row_ids`` for target ids).
-    """
+    """Cheap scores for every drafter row: ``(h @ down.T) @ up.T``, r(d + V) weights read. Its columns are
+    *drafter rows* (map them through the head's ``row_ids`` for target ids)."""
 
     def __init__(self, up: Tensor, down: Tensor) -> None:
         if up.shape[1] != down.shape[0]:
@@ -65,14 +58,6 @@ class LowRankScorer:
     def logits(self, h: Tensor) -> Tensor:
         """Scores [B, V_draft] in float32."""
         return self.up(self.down(h))
-
-    def candidates(self, h: Tensor, n: int, exclude: Tensor | None = None) -> Tensor:
-        """The n best-scoring drafter rows per state [B, n], skipping rows where ``exclude`` [V_draft] is True
-        (e.g. the rows a head already scores exactly)."""
-        s = self.logits(h)
-        if exclude is not None:
-            s = s.masked_fill(exclude, float("-inf"))
-        return s.topk(min(n, s.shape[-1]), dim=-1).indices
 
 
 @register_head("lowrank")

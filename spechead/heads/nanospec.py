@@ -1,30 +1,33 @@
-"""NanoSpec: a per-request, context-built active vocabulary for the draft head; and a hybrid with a
-cheap full-vocabulary escape.
+"""NanoSpec: a per-request, context-built active vocabulary for the draft head.
 
 NanoSpec (Chen et al., 2026) keeps, per request, a set of at most ``W_max`` token ids built from the
-context: the prompt ids and the target's top-3 at every prompt position (Ctx, once), then after every
-verification round the drafted tree tokens, the target's argmax at every tree node and optionally its
-top-k there (Ext). Each draft call is a dense GEMM against a packed copy of only those rows of the
-drafter's head, a log-softmax over the set, and a map back to vocabulary ids. Verification stays
-full-vocabulary, so the output is unchanged; only the draft (and so the acceptance) can differ.
+context: the prompt ids and the target's top-3 at the last prompt positions (Ctx, once), then after every
+verification round the committed tokens, the target's top-k at every tree node and the drafted tree tokens
+(Ext). Each draft call is a dense GEMM against a packed copy of only those rows of the drafter's head, a
+log-softmax over the set, and a map back to vocabulary ids. Verification stays full-vocabulary, so the output
+is unchanged; only the draft (and so the acceptance) can differ.
 
 State lives on the head's device: ids [W_max], packed rows [W_max, d], a membership mask [V] and a
 slot map [V]. Only new ids are gathered. The update is prepared in ``observe`` (called by the engine
 right after verification, before the drafter's catch-up pass) and awaited by the first ``topk`` of
-the next round, so it overlaps the drafter backbone: on CUDA on a side stream + event, on the CPU in
-a worker thread when ``gather=async`` (``auto`` picks what measured faster, see docs/nanospec.md).
-The host learns the number of new ids once per round (one sync, in the update); draft steps never
-synchronise.
+the next round: ``gather=sync`` runs it there, ``gather=async`` overlaps it with the drafter backbone (on
+CUDA on a side stream + event, on the CPU in a worker thread); ``auto`` is async on CUDA and sync on the CPU,
+and the tuner picks between the two per machine. The host learns the number of new ids once per round (one
+sync, in the update); draft steps never synchronise.
 
-Differences from the reference code (see the reference notes, bugs B1 and B4): Ctx reads only the
-real prompt rows; the set never exceeds ``W_max``: ``policy=stop`` stops adding (new ids kept in
-priority order: committed tokens, target argmax, target top-k, drafted tokens), ``policy=lru`` evicts
-the slots whose token was least recently hit (seen among a round's candidates), never ones hit in the
-current round.
+Options (``nanospec[:W_MAX][:key=value...]``):
 
-``HybridHead`` adds an escape: a rank-r factorisation of the head scores the whole vocabulary cheaply,
-its top-m ids outside the set get exact logits from their own rows, and the log-softmax runs over the
-union. This lets the drafter propose a token the context never showed.
+- ``policy``: what happens when the set is full: ``stop`` stops adding (new ids kept in priority order:
+  committed tokens, target top-k, drafted tokens); ``lru`` evicts the slots whose token was least recently hit
+  (seen among a round's candidates), never ones hit in the current round. Engines that reuse a head across
+  requests (the vLLM plugin) run ``lru``.
+- ``gather``: ``auto``, ``sync`` or ``async`` (above).
+- ``ctx_topk``: the target's top-k per prompt row added at ``begin`` (0: the prompt ids only, and the prefill
+  computes no extra logits).
+- ``ext_from``: ``logits`` (the target's top-k at the tree nodes join the set) or ``tokens`` (committed and
+  drafted tokens only: what an engine that shows the head token ids alone can feed, as vLLM does).
+
+Unlike the reference code, Ctx reads only the real prompt rows, and the set never exceeds ``W_max``.
 """
 
 from __future__ import annotations
@@ -54,23 +57,18 @@ if TYPE_CHECKING:
     from spechead.model.config import ModelConfig
 
 DEFAULT_W_MAX = 3072
-SOURCES = {"ctx+ext": (True, True), "ext+ctx": (True, True), "ctx": (True, False), "ext": (False, True)}
 POLICIES = ("stop", "lru")
 GATHERS = ("auto", "sync", "async")
-# Ext's sources: "logits" the paper's (committed tokens, the target's argmax / top-k at every node, the drafts);
-# "tokens" what an engine that shows the head token ids only can give (committed tokens and drafts: vLLM)
 EXT_FROM = ("logits", "tokens")
-# ctx_rows=auto: the target's logits are computed at as many of the last prompt rows as keep the head's share of the
-# prefill within this fraction of the decoder blocks' work, and at most CTX_ROWS_CAP of them. The share alone gives
-# every row where the head is small (SmolLM2: the head is 0.27 of the blocks' multiply-adds; Llama-3.1-8B: 0.08) and
-# the last ~20 % where it dominates (Gemma 3 270M: 1.67, where every row would triple the prefill). The cap bounds
-# what a long prompt pays: the target's guesses at the earlier rows did not move tau on either real target (Gemma:
-# 3.71 every row, 3.70 the last 16; SmolLM2 on AMD EPYC Zen 4: 2.40 every row, 2.44 the last 64, 2.37 the last 16)
-# while every row cost SmolLM2's prefill +24 % there, 1.04x AR's with the last 64 (docs/nanospec.md, "Ctx rows").
+# Ctx rows: the prefill computes the target's logits at as many of the last prompt rows as keep the head's share of
+# the prefill within CTX_HEAD_SHARE of the decoder blocks' work, and at most CTX_ROWS_CAP of them. Where the head is
+# small against the blocks that is every row of a short prompt; where it dominates (a 262k vocabulary on a small
+# model) every row would multiply the prefill's cost. The cap bounds what a long prompt pays: the target's guesses at
+# earlier rows add ids the set rarely uses (docs/nanospec.md, "Ctx rows").
 CTX_HEAD_SHARE = 1 / 3
 CTX_ROWS_CAP = 64
-# CPU default for gather=auto, chosen by measurement (docs/nanospec.md, "Overlap"): a worker thread
-# did not pay for its hand-off on the 2-core CPU, so the update runs at the first draft call.
+# gather=auto on the CPU: the update runs at the first draft call, since a worker thread's hand-off costs about
+# what it hides on a few cores (the tuner measures both on the machine and keeps async only where it is faster).
 CPU_AUTO_GATHER = "sync"
 
 
@@ -80,8 +78,9 @@ class NanoSpecHead(DraftHead):
 
     needs_prompt_logits = True
     per_round = True
-    INT_OPTS = {"ext_topk", "ctx_topk", "freq"}
-    STR_OPTS = {"sources", "policy", "gather", "ctx_rows", "ext_from"}
+    INT_OPTS = {"ctx_topk"}
+    STR_OPTS = {"policy", "gather", "ext_from"}
+    ext_topk = 3  # the target's top-k per tree node that joins the set (Ext)
 
     def __init__(
         self,
@@ -89,43 +88,28 @@ class NanoSpecHead(DraftHead):
         row_ids: Tensor | None,
         vocab_size: int,
         w_max: int | None = None,
-        ext_topk: int = 3,
         ctx_topk: int = 3,
-        ctx_rows: int | str = "auto",
-        sources: str = "ctx+ext",
         policy: str = "stop",
         gather: str = "auto",
-        freq: int = 0,
         ext_from: str = "logits",
         pinned: Tensor | None = None,
     ) -> None:
+        """``pinned``: ids held in the set for every request, never evicted (the hybrid's frequent tokens)."""
         super().__init__(weight, row_ids, vocab_size)
         if w_max is None:  # the paper's default, or the whole vocabulary of a smaller model
             w_max = min(DEFAULT_W_MAX, vocab_size)
         if not 0 < w_max <= vocab_size:
             raise SpecheadError(f"nanospec W_max must be in [1, {vocab_size}] (the vocabulary size), got {w_max}")
-        if not (0 <= ext_topk <= 64 and 0 <= ctx_topk <= 64):
-            raise SpecheadError(f"ext_topk and ctx_topk must be in [0, 64], got {ext_topk} and {ctx_topk}")
-        if ctx_rows != "auto":
-            if not str(ctx_rows).isdigit():
-                raise SpecheadError(f"ctx_rows must be auto or an integer >= 0 (0: every prompt row), got {ctx_rows}")
-            ctx_rows = int(ctx_rows)
-        if sources not in SOURCES:
-            raise SpecheadError(f"sources must be one of ctx+ext, ctx, ext; got {sources!r}")
+        if not 0 <= ctx_topk <= 64:
+            raise SpecheadError(f"ctx_topk must be in [0, 64], got {ctx_topk}")
         if policy not in POLICIES:
             raise SpecheadError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if gather not in GATHERS:
             raise SpecheadError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
         if ext_from not in EXT_FROM:
             raise SpecheadError(f"ext_from must be one of {', '.join(EXT_FROM)}; got {ext_from!r}")
-        self.ext_from = ext_from
-        self.w_max, self.ext_topk, self.ctx_topk, self.policy = w_max, ext_topk, ctx_topk, policy
-        self.sources = sources
-        self.use_ctx, self.use_ext = SOURCES[sources]
-        self.needs_prompt_logits = self.use_ctx and ctx_topk > 0
-        # the prefill then computes the target's logits at these rows only (None: CTX_HEAD_SHARE decides): at
-        # V = 262,144 every prompt row costs the LM head's 168M multiply-adds, more than the rest of the prefill
-        self.prompt_rows = None if ctx_rows == "auto" else ctx_rows
+        self.w_max, self.ctx_topk, self.policy, self.ext_from = w_max, ctx_topk, policy, ext_from
+        self.needs_prompt_logits = ctx_topk > 0
         dev = weight.device
         self.device = dev
         if gather == "auto":
@@ -148,8 +132,6 @@ class NanoSpecHead(DraftHead):
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # id -> slot (-1: absent)
         self.last_hit = torch.zeros(w_max + 1, dtype=torch.long, device=dev)  # slot -> round; [-1] is a trash slot
         self.n = 0
-        if pinned is None and freq:
-            pinned = self._frequent(freq)
         self.n_pin = self._pin(pinned) if pinned is not None else 0
         self._pending: concurrent.futures.Future | Callable[[], None] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -158,10 +140,9 @@ class NanoSpecHead(DraftHead):
         self._reset_counters()
 
     def prompt_logit_rows(self, n: int, target_cfg: ModelConfig) -> int:
-        """ctx_rows, or (auto) the last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill, at most
-        CTX_ROWS_CAP (``ctx_rows=0``: every row, the paper's Ctx)."""
-        if self.prompt_rows is not None or not self.needs_prompt_logits:
-            return super().prompt_logit_rows(n, target_cfg)
+        """The last rows whose head work stays within CTX_HEAD_SHARE of the blocks' prefill, at most CTX_ROWS_CAP."""
+        if not self.needs_prompt_logits:
+            return 1
         head_macs = target_cfg.vocab_size * target_cfg.hidden_size  # the target's head, which the prefill runs
         return max(1, min(n, CTX_ROWS_CAP, math.ceil(n * CTX_HEAD_SHARE * target_cfg.block_macs() / head_macs)))
 
@@ -188,16 +169,6 @@ class NanoSpecHead(DraftHead):
     def call_flops(self, batch: int, settings: BenchSettings) -> int:
         return 2 * batch * self.w_max * self.weight.shape[1]
 
-    def _frequent(self, n: int) -> Tensor:
-        """The n most frequent ids (FR-Spec's default list for this vocabulary) the drafter can score."""
-        if not 0 < n < self.w_max:
-            raise SpecheadError(f"freq={n} must be in [1, W_max - 1 = {self.w_max - 1}]")
-        from spechead.heads.tokenmaps import find_token_map, load_token_map
-
-        ids = load_token_map(find_token_map("freq", n, self.vocab_size, longest=self.t2r is not None), self.vocab_size)
-        ids = ids.to(self.device)
-        return (ids if self.eligible is None else ids[self.eligible[ids]])[:n]
-
     def _pin(self, ids: Tensor) -> int:
         """Pin distinct ids in slots [0, k): gathered once, never evicted, kept across requests. A static
         backstop for the tokens the context has not shown yet."""
@@ -217,7 +188,6 @@ class NanoSpecHead(DraftHead):
         self._rounds: list[tuple[int, int, Tensor]] = []  # (active size when drafted, committed, hits)
         self.dropped = 0  # new ids refused because the set was full
         self.evicted = 0
-        self._escaped: list[Tensor] = []
 
     def begin(self, prompt_ids: Tensor, prompt_logits: Tensor | None) -> None:
         """Reset the state and queue the Ctx update (awaited by the first draft call)."""
@@ -231,15 +201,11 @@ class NanoSpecHead(DraftHead):
             self.in_set[pinned] = True
             self.slot_of[pinned] = torch.arange(self.n_pin, device=self.device)
         self._reset_counters()
-        if not self.use_ctx:
-            return
         prompt_ids = prompt_ids.to(device=self.device, dtype=torch.long).flatten()
         n = prompt_ids.numel()
         if prompt_logits is not None and not 0 < prompt_logits.shape[0] <= n:
             # the last rows (those prompt_logit_rows asked for, or all); never stale extra rows (the reference's B1)
             raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {n} prompt ids")
-        if prompt_logits is not None and self.prompt_rows:
-            prompt_logits = prompt_logits[-self.prompt_rows :]  # the last rows (a caller may pass them all)
 
         def ctx() -> None:
             parts = [prompt_ids.flip(0)]  # most recent first
@@ -259,16 +225,12 @@ class NanoSpecHead(DraftHead):
         hits = self.in_set[com].sum()
         self._rounds.append((self.n, len(committed), hits))
         self.round += 1
-        if not self.use_ext:
-            return
-        escaped, self._escaped = self._escaped, []
 
         def ext() -> None:
             parts = [com]
-            if self.ext_from == "logits":  # the target's argmax (ext_topk 0 and 1 are the same), then top-2..k
-                parts.append(fast_topk(node_logits, min(max(self.ext_topk, 1), node_logits.shape[-1]))[1].T.flatten())
+            if self.ext_from == "logits":  # the target's argmax at every node first, then its top-2..k
+                parts.append(fast_topk(node_logits, min(self.ext_topk, node_logits.shape[-1]))[1].T.flatten())
             parts.append(tree_tokens.to(dev))
-            parts.extend(escaped)
             self._append(torch.cat(parts))
 
         self._launch(ext)
@@ -276,10 +238,7 @@ class NanoSpecHead(DraftHead):
     def extend(self, ids: Tensor) -> None:
         """Queue ids that entered the context, for an engine that shows the head token ids only (vLLM's drafter
         sees the prompt, the committed tokens and its own drafts, never the target's logits): one update of the
-        set, counted as a round for LRU (vLLM calls it at every drafter pass, several a verification round).
-        An Ext source: nothing without it in ``sources``."""
-        if not self.use_ext:
-            return
+        set, counted as a round for LRU (vLLM calls it at every drafter pass, several a verification round)."""
         self._wait()
         self.round += 1
         cand = ids.to(device=self.device, dtype=torch.long).flatten()
@@ -379,7 +338,7 @@ class NanoSpecHead(DraftHead):
 
     def _set_topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            if self.n == 0:  # Ext only, first round: nothing known yet, use the full head (as the reference)
+            if self.n == 0:  # nothing in the set yet (no prompt id in the drafter's vocabulary): the full head
                 return topk_logprobs(h @ self.weight.T, k, self.row_ids)
             return topk_logprobs(self.packed(h, self.n), k, self.ids)
 

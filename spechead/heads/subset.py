@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head
-from spechead.heads.lowrank import fast_topk_logprobs
+from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head, topk_logprobs
 from spechead.heads.tokenmaps import check_token_ids, find_token_map, load_token_map
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear
@@ -124,7 +123,7 @@ class SubsetHead(DraftHead):
 
     def topk(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         with self.timers("head", h.device):
-            return fast_topk_logprobs(self.packed(h), k, self.ids)
+            return topk_logprobs(self.packed(h), k, self.ids)
 
     def reference_logits(self, h: Tensor) -> Tensor:
         out = self.dense_logits(h)
