@@ -187,7 +187,7 @@ def test_speedup_model_uses_the_matching_full_head():
 
 
 def test_projection_counts_every_head_call_and_keeps_to_the_runs_tree():
-    heads_json = Path(__file__).parent.parent / "results" / "heads" / "llama3.1-8b_bf16_t2.json"
+    heads_json = Path(__file__).parents[1] / "benchmarks/runs/heads-llama3.1-8b/llama3.1-8b_bf16_t2.json"
     ms = json.loads(heads_json.read_text())["shapes"]["llama3.1-8b"]["heads"]["full"]["batches"]
     tree = TreeConfig(2, 4, 8, lookup=8)
     row = {"tau": 2.0, "rounds": 5, "decode_round_ms": 6.0}

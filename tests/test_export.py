@@ -98,7 +98,7 @@ def test_export_nanospec_carries_its_options(tiny_target, tmp_path):
 
 
 def test_cached_export_follows_the_drafters_weights(tiny_dir, tiny_target, tmp_path):
-    """results/vllm and the plugin test reuse exported folders: new weights in a drafter folder must get a new
+    """benchmarks/vllm_*.py and the plugin test reuse exported folders: new weights in a drafter folder must get a new
     export, not the folder written for the old ones."""
     from spechead.decoding.session import Session
     from spechead.integrations.vllm.compare import Method, export_dir
