@@ -3,9 +3,13 @@
 import json
 
 import pytest
+import torch
 
+from spechead.bench.head_costs import BenchSettings, bench_cases, bench_key, call_bytes, call_flops
 from spechead.bench.heads import SHAPES
 from spechead.cli.commands import main
+from spechead.heads import HEADS, make_head
+from spechead.heads.base import check_head_spec
 
 
 def test_bench_heads_report(tmp_path):
@@ -52,3 +56,25 @@ def test_bench_heads_report(tmp_path):
 def test_bench_heads_bad_input(extra, match, capsys):
     assert main(["bench-heads", "--shape", "demo", *extra]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_has_bench_cases_that_run_and_count_their_bytes(name):
+    """Every registered head has cases at a given shape; they run and move fewer bytes than the full head."""
+    V, D = 49152, 32  # the demo's vocabulary, for which default token lists ship
+    weight = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
+    settings = BenchSettings(subset=4096, w_max=512)
+    cases = bench_cases(name, weight, V, settings, torch.Generator().manual_seed(2))
+    assert cases
+    full = make_head("full", weight, None, V)
+    for case in cases:
+        assert case.spec.partition(":")[0] == name and check_head_spec(case.spec)
+        if case.head.per_round:
+            case.head.begin(torch.arange(settings.w_max), None)
+        for batch in (1, 3):
+            logp, ids = case.head.topk(torch.randn(batch, D), 4)
+            assert logp.shape == ids.shape == (batch, 4)
+            nbytes, flops = call_bytes(case.head, batch, settings), call_flops(case.head, batch, settings)
+            assert 0 < nbytes and 0 < flops
+            assert (nbytes < call_bytes(full, batch, settings)) == (name != "full")  # every other head reads less
+        assert bench_key(case.spec, [c.spec for c in cases]) == case.spec

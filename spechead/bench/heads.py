@@ -15,9 +15,7 @@ How it measures, and why:
 - Heads are interleaved within each repeat (noise from other processes hits all of them alike),
   after one warm-up round each.
 
-Bytes model (e = element size of the dtype): full V*d*e + B*V*e (logits); subset N*d*e + B*N*e;
-low-rank (r*d + V*r)*e + B*V*e; NanoSpec W*d*e + B*W*e per call, plus per round 2*new*d*e (gather
-read + write) and the tree's target logits it reads (nodes*V*e), the hybrid as NanoSpec.
+Which cases each head gets and the bytes and FLOPs its calls move: ``bench.head_costs``.
 """
 
 from __future__ import annotations
@@ -32,9 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spechead import kernels
+from spechead.bench.head_costs import BenchCase, BenchSettings, bench_cases, call_bytes, call_flops
 from spechead.errors import SpecheadError
 from spechead.heads import HEADS
-from spechead.heads.base import BenchCase, BenchSettings, DraftHead
+from spechead.heads.base import DraftHead
 from spechead.kernels.linear import BlockedWeight, PackedLinear
 from spechead.tuning.measure import CopyMeter, llc_bytes
 
@@ -86,7 +85,7 @@ class GemmRate:
         return statistics.median(self.samples[B])
 
 
-# -- heads under test: every registered head declares its own cases (DraftHead.bench_cases) -------
+# -- heads under test: every registered head's cases (head_costs.bench_cases) ---------------------
 @dataclass
 class Timed:
     """A head's bench case with its timings per batch."""
@@ -122,7 +121,7 @@ def build_cases(W: Tensor, V: int, settings: BenchSettings, gen: torch.Generator
     cases, skipped = [], {}
     for name in sorted(HEADS, key=lambda n: n != "full"):
         try:
-            cases += [Timed(c) for c in HEADS[name].bench_cases(W, V, settings, gen)]
+            cases += [Timed(c) for c in bench_cases(name, W, V, settings, gen)]
         except SpecheadError as e:
             skipped[name] = str(e)
     return cases, skipped
@@ -239,9 +238,9 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         rows = {}
         for B in batches:
             ms = statistics.median(c.timings[B])
-            nbytes = c.head.call_bytes(B, settings)
+            nbytes = call_bytes(c.head, B, settings)
             floor = nbytes / gbps / 1e6
-            flops = c.head.call_flops(B, settings)
+            flops = call_flops(c.head, B, settings)
             compute = flops / rate.median(B) / 1e6
             if c.rounds.get(B):
                 obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
@@ -261,7 +260,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
                 "x_roofline": round(ms / max(floor, compute), 2),
                 "achieved_GBps": round(nbytes / ms / 1e6, 2),
                 "speedup_vs_full": round(full_ms[B] / ms, 2),
-                "bytes_ratio_vs_full": round(cases[0].head.call_bytes(B, settings) / nbytes, 2),
+                "bytes_ratio_vs_full": round(call_bytes(cases[0].head, B, settings) / nbytes, 2),
             }
         out["heads"][c.name] = {"spec": c.case.spec, "note": c.case.note, "batches": rows}
         stats = c.head.stats()

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from spechead.bench.head_costs import bench_key
 from spechead.bench.methods import MethodSpec
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
-from spechead.heads import HEADS
 from spechead.tuning.speedup import speedup_model
 
 LLAMA31_8B = {"d": 4096, "V": 128256, "layers": 32, "ffn": 14336, "kv": 1024}
@@ -41,12 +41,6 @@ def _headbench_ms(heads: dict[str, Any], key: str, batch: int) -> float | None:
     if lo is None or hi is None:
         return b[min(b, key=lambda x: abs(x - batch))]
     return b[lo] + (b[hi] - b[lo]) * (batch - lo) / (hi - lo)  # linear in the batch between measured ones
-
-
-def _headbench_key(spec: MethodSpec, heads: dict[str, Any]) -> str | None:
-    """The head-benchmark row that stands for the method's head (each head says which: ``DraftHead.bench_key``)."""
-    cls = HEADS.get(spec.head.partition(":")[0])
-    return cls.bench_key(spec.head, list(heads)) if cls is not None else None
 
 
 def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, heads_json: Path) -> dict[str, Any]:
@@ -91,7 +85,7 @@ def project(summary: dict[str, Any], specs: list[MethodSpec], tree: TreeConfig, 
         ref_spec = s.reference(specs) if s.kind == "spec" and s.tree == tree else None
         if ref_spec is None:
             continue  # the projection's round is the run's tree
-        key = _headbench_key(s, heads)
+        key = bench_key(s.head, list(heads))
         h = head_round(key) if key else None
         ref = summary.get(ref_spec.name)
         if h is None or full is None or ref is None:

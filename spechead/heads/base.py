@@ -10,7 +10,6 @@ change the output: that is what keeps every method lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,38 +25,16 @@ if TYPE_CHECKING:
     from spechead.model.lowrank import LowRankLinear
 
 
-@dataclass
-class BenchSettings:
-    """What the head benchmark (``spechead bench-heads``) varies; each head reads the fields that apply to it."""
-
-    subset: int = 32768  # static-subset size
-    rank: int | None = None  # low-rank rank (None: d/8)
-    w_max: int = 3072  # NanoSpec's active-set bound
-    calls_per_round: int = 6  # draft calls per round (EAGLE-2's root call + depth 5)
-    new_per_round: int = 16  # ids a round adds to an active set
-    nodes: int = 60  # tree nodes whose target logits a round observes
-
-
-@dataclass
-class BenchCase:
-    """One configuration the head benchmark times: a built head under a display name and its spec."""
-
-    name: str
-    spec: str
-    head: DraftHead
-    note: str = ""
-
-
 class DraftHead:
     """Interface. Subclasses override ``topk`` and, when they adapt to context, ``begin``/``observe``.
 
     ``weight`` is the drafter's LM-head matrix [V_draft, d]; ``row_ids`` maps its rows to target ids
     (None for the identity, as with a full-vocabulary head); ``vocab_size`` is the target's V.
 
-    Everything the engine, the benchmarks, the tuner and the server need from a head is declared here:
-    construction from a spec string (``from_spec``, with ``options`` parsing its argument without any
-    weights, so a bad spec is refused before a model loads), the cases the head benchmark times at a
-    given (d, V) (``bench_cases``) and the bytes and FLOPs a call moves (``call_bytes``, ``call_flops``).
+    Everything the engine, the tuner and the server need from a head is declared here: construction from a
+    spec string (``from_spec``, with ``options`` parsing its argument without any weights, so a bad spec is
+    refused before a model loads) and the request lifecycle (``begin``, ``observe``, ``topk``). What the head
+    benchmark knows about each head lives beside it (``spechead.bench.head_costs``).
     """
 
     name = "head"
@@ -127,31 +104,6 @@ class DraftHead:
     def extra_bytes(self) -> int:
         """Memory this head holds beyond the drafter's own weights."""
         return 0
-
-    # -- what the benchmarks need ------------------------------------------------------------------
-    @classmethod
-    def bench_cases(
-        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
-    ) -> list[BenchCase]:
-        """The configurations the head benchmark times over a random [V, d] ``weight`` (costs do not depend
-        on the values): by default the head as ``from_spec("")`` builds it."""
-        return [BenchCase(cls.name, cls.name, cls.from_spec("", weight, None, vocab_size))]
-
-    @classmethod
-    def bench_key(cls, spec: str, keys: list[str]) -> str | None:
-        """Which head-benchmark row stands for a method's head ``spec`` (the projection at 8B shapes)."""
-        if spec in keys:
-            return spec
-        return next((k for k in keys if k.partition(":")[0] == cls.name), None)
-
-    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
-        """Bytes one draft call at ``batch`` rows reads and writes in the steady state: weights plus
-        logits (work done once per round is spread over ``settings.calls_per_round`` calls)."""
-        raise NotImplementedError(f"head {self.name!r} does not declare its bytes per call")
-
-    def call_flops(self, batch: int, settings: BenchSettings) -> int:
-        """2 x multiply-adds of the call's GEMMs (top-k, softmax and gathers are not counted)."""
-        raise NotImplementedError(f"head {self.name!r} does not declare its FLOPs per call")
 
 
 def parse_options(arg: str, ints: set[str], strs: set[str], positional: str | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from spechead.heads.base import BenchSettings, DraftHead, register_head, topk_logprobs
+from spechead.heads.base import DraftHead, register_head, topk_logprobs
 from spechead.heads.lowrank import LowRankHead
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear
@@ -42,12 +42,3 @@ class FullHead(DraftHead):
 
     def extra_bytes(self) -> int:
         return self.lin.nbytes if self.lin.kind != "linear" and not self.lin.shares_layout else 0
-
-    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
-        V, d = self.weight.shape
-        e = self.weight.element_size()
-        return V * d * e + batch * V * e
-
-    def call_flops(self, batch: int, settings: BenchSettings) -> int:
-        V, d = self.weight.shape
-        return 2 * batch * V * d

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import BenchCase, BenchSettings, register_head
+from spechead.heads.base import register_head
 from spechead.heads.nanospec import DEFAULT_W_MAX, NanoSpecHead
 from spechead.heads.tokenmaps import find_token_map, load_token_map
 
@@ -42,11 +42,3 @@ class HybridHead(NanoSpecHead):
         if 4 * HYBRID_FREQ <= (w_max or DEFAULT_W_MAX):
             pinned = frequent_ids(HYBRID_FREQ, vocab_size, row_ids)
         super().__init__(weight, row_ids, vocab_size, w_max, pinned=pinned, **kw)
-
-    @classmethod
-    def bench_cases(
-        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
-    ) -> list[BenchCase]:
-        w_max = min(settings.w_max, vocab_size)
-        head = cls(weight, None, vocab_size, w_max=w_max, policy="lru", gather="sync")
-        return [BenchCase(f"hybrid:{w_max}", f"hybrid:{w_max}", head, note="its defaults")]

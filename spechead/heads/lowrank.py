@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head, topk_logprobs
+from spechead.heads.base import DraftHead, register_head, topk_logprobs
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors, truncate_factors
 
@@ -112,24 +112,6 @@ class LowRankHead(DraftHead):
 
     def stats(self) -> dict[str, float]:
         return {"rank": float(self.scorer.rank)}
-
-    @classmethod
-    def bench_cases(
-        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
-    ) -> list[BenchCase]:
-        """Random factors: an SVD of a random [V, d] matrix costs minutes and does not change the cost."""
-        V, d = weight.shape
-        r = settings.rank or default_rank(d)
-        factors = LowRankLinear.from_random(d, V, r, generator=gen, dtype=weight.dtype)
-        return [BenchCase(f"lowrank:{r}", f"lowrank:{r}", cls(factors, None, vocab_size))]
-
-    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
-        (V, r), d, e = self.scorer.up.shape, self.scorer.down.shape[1], self.scorer.up.dtype.itemsize
-        return (r * d + V * r) * e + batch * V * e
-
-    def call_flops(self, batch: int, settings: BenchSettings) -> int:
-        V, d = self.scorer.up.shape[0], self.scorer.down.shape[1]
-        return 2 * batch * self.scorer.rank * (d + V)
 
     def extra_bytes(self) -> int:
         return self.scorer.nbytes

@@ -42,15 +42,7 @@ from torch import Tensor
 
 from spechead import kernels
 from spechead.errors import SpecheadError
-from spechead.heads.base import (
-    BenchCase,
-    BenchSettings,
-    DraftHead,
-    fast_topk,
-    parse_options,
-    register_head,
-    topk_logprobs,
-)
+from spechead.heads.base import DraftHead, fast_topk, parse_options, register_head, topk_logprobs
 from spechead.kernels.linear import BlockedWeight
 
 if TYPE_CHECKING:
@@ -150,24 +142,6 @@ class NanoSpecHead(DraftHead):
     def options(cls, arg: str) -> dict[str, Any]:
         """``[W_MAX][:key=value...]`` with the keys of INT_OPTS / STR_OPTS."""
         return parse_options(arg, cls.INT_OPTS, cls.STR_OPTS, positional="w_max")
-
-    @classmethod
-    def bench_cases(
-        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
-    ) -> list[BenchCase]:
-        w_max = min(settings.w_max, vocab_size)
-        head = cls(weight, None, vocab_size, w_max=w_max, policy="lru", gather="sync")
-        return [BenchCase(f"nanospec:{w_max}", f"nanospec:{w_max}", head, note="LRU-full steady state")]
-
-    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
-        """Per call the W_max packed rows; per round the gather of the new rows and the tree logits observe reads."""
-        d, e, calls = self.weight.shape[1], self.weight.element_size(), settings.calls_per_round
-        n = self.w_max
-        per_round = calls * (n * d * e + batch * n * e) + 2 * settings.new_per_round * d * e
-        return (per_round + settings.nodes * self.vocab_size * e) // calls
-
-    def call_flops(self, batch: int, settings: BenchSettings) -> int:
-        return 2 * batch * self.w_max * self.weight.shape[1]
 
     def _pin(self, ids: Tensor) -> int:
         """Pin distinct ids in slots [0, k): gathered once, never evicted, kept across requests. A static

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from spechead.errors import SpecheadError
-from spechead.heads.base import BenchCase, BenchSettings, DraftHead, register_head, topk_logprobs
+from spechead.heads.base import DraftHead, register_head, topk_logprobs
 from spechead.heads.tokenmaps import check_token_ids, find_token_map, load_token_map
 from spechead.kernels.linear import PackedLinear
 from spechead.model.lowrank import LowRankLinear
@@ -94,28 +94,6 @@ class SubsetHead(DraftHead):
                 raise SpecheadError(f"{cls.name}:N needs 1 <= N <= {vocab_size} (the vocabulary size), got {n}")
             return cls(weight, row_ids, vocab_size, cls.default_list(n, row_ids is not None, vocab_size), n)
         return cls(weight, row_ids, vocab_size)
-
-    @classmethod
-    def bench_cases(
-        cls, weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torch.Generator
-    ) -> list[BenchCase]:
-        """Random ids: a static subset's cost does not depend on which ids it holds."""
-        n = min(settings.subset, vocab_size)
-        ids = torch.randperm(vocab_size, generator=gen)[:n]
-        return [BenchCase(f"{cls.name}:{n}", f"{cls.name}:{n}", cls(weight, None, vocab_size, ids))]
-
-    @classmethod
-    def bench_key(cls, spec: str, keys: list[str]) -> str | None:
-        """The largest list the head benchmark ran (the papers' 32768 of 128k)."""
-        mine = [k for k in keys if k.partition(":")[0] == cls.name and k.partition(":")[2].isdigit()]
-        return max(mine, key=lambda k: int(k.partition(":")[2])) if mine else None
-
-    def call_bytes(self, batch: int, settings: BenchSettings) -> int:
-        e = self.weight.element_size()
-        return self.size * self.weight.shape[1] * e + batch * self.size * e
-
-    def call_flops(self, batch: int, settings: BenchSettings) -> int:
-        return 2 * batch * self.size * self.weight.shape[1]
 
     @property
     def size(self) -> int:
