@@ -8,7 +8,6 @@ from test_engine import chi2_pvalue, exact_joint, make_decoder
 
 from spechead.bench.suites import load_suite
 from spechead.cli.bench import default_eval_dir
-from spechead.decoding.batch import BatchDecoder
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.sampling import SamplingConfig
@@ -20,12 +19,13 @@ from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
 
 
-def batch_for(dec: Decoder, head: str = "full", tree: TreeConfig | None = None, max_batch: int = 3) -> BatchDecoder:
+def batch_for(dec: Decoder, head: str = "full", tree: TreeConfig | None = None, max_batch: int = 3) -> Decoder:
     """A batched decoder over the same target and drafter as ``dec``."""
     weight, row_ids = dec.drafter.head_weight(dec.target)
     vocab = dec.target.config.vocab_size
     make = lambda: make_head(head, weight, row_ids, vocab)  # noqa: E731
-    return BatchDecoder(dec.target, dec.drafter, make, tree or dec.tree, max_batch, list(dec.stop_ids))
+    stops = list(dec.stop_ids)
+    return Decoder(dec.target, dec.drafter, make, tree or dec.tree, dec.max_len, stops, max_batch=max_batch)
 
 
 def prompts_of(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -46,7 +46,7 @@ def test_batched_greedy_equals_batch1_autoregressive(tiny_small_vocab_dir, arch,
     prompts = prompts_of(dec.target.config.vocab_size, 7)
     budgets = [40, 5, 33, 1, 20, 40, 12]
     want = [dec.generate(p, n, speculative=False).tokens for p, n in zip(prompts, budgets, strict=True)]
-    batch, ar = batch_for(dec, tree=tree), BatchDecoder(dec.target, None, None, None, 3)
+    batch, ar = batch_for(dec, tree=tree), Decoder(dec.target, max_len=dec.max_len, max_batch=3)
     rids = [batch.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
     results, seen = {}, set()
     while batch.busy:
@@ -57,7 +57,7 @@ def test_batched_greedy_equals_batch1_autoregressive(tiny_small_vocab_dir, arch,
     assert [results[r].tokens for r in rids] == want
     assert max(seen) == 3 and max(max(r.accept_lengths, default=1) for r in results.values()) > 1
     for p, n, w in zip(prompts, budgets, want, strict=True):
-        assert ar.generate([p], n)[0].tokens == w
+        assert ar.generate_batch([p], n)[0].tokens == w
 
 
 def test_stop_tokens_cancel_and_context_per_request(tiny_small_vocab_dir):
@@ -83,7 +83,7 @@ def test_stop_tokens_cancel_and_context_per_request(tiny_small_vocab_dir):
     long = torch.arange(60) % dec.target.config.vocab_size
     dec.stop_ids = set()
     alone = dec.generate(long, 30, speculative=False)
-    [together, _] = batch_for(dec).generate([long, prompts[2]], 30)
+    [together, _] = batch_for(dec).generate_batch([long, prompts[2]], 30)
     assert together.tokens == alone.tokens and together.stop_reason == alone.stop_reason == "context"
 
 
@@ -102,7 +102,7 @@ def test_mixed_sampling_settings_in_one_batch(tiny_small_vocab_dir):
     while batch.busy:
         results.update((e.rid, e.result) for e in batch.step() if e.result is not None)
     assert results[rids[0]].tokens == greedy[0] and results[rids[2]].tokens == greedy[2]
-    alone = batch_for(dec, tree=rule, max_batch=1).generate([prompts[1]], 20, hot)[0]
+    alone = batch_for(dec, tree=rule, max_batch=1).generate_batch([prompts[1]], 20, hot)[0]
     assert results[rids[1]].tokens == alone.tokens == dec.generate(prompts[1], 20, hot, speculative=False).tokens
     assert results[rids[3]].tokens == dec.generate(prompts[3], 20, hot, speculative=False).tokens
 
@@ -159,7 +159,7 @@ def test_bad_requests_are_refused_and_lose_nothing(tiny_small_vocab_dir):
     with pytest.raises(SpecheadError, match="max_new_tokens"):
         batch.submit([1], 0)
     with pytest.raises(SpecheadError, match="max_batch"):
-        BatchDecoder(dec.target, max_batch=0)
+        Decoder(dec.target, max_batch=0)
     results = []
     while batch.busy:
         results += [e.result for e in batch.step() if e.result is not None]
@@ -175,8 +175,8 @@ def test_demo_target_batched_is_lossless(demo_session):
     want = [s.decoder().generate(p, 24, speculative=False).tokens for p in prompts]
     drafter = resolve_drafter("demo", s.target)
     for head in ("full", "nanospec"):
-        batch = s.batch_decoder(drafter, head, TreeConfig(2, 1, 4, lookup=8), max_batch=4)
-        assert [r.tokens for r in batch.generate(prompts, 24)] == want
+        batch = s.decoder(drafter, head, TreeConfig(2, 1, 4, lookup=8), max_batch=4)
+        assert [r.tokens for r in batch.generate_batch(prompts, 24)] == want
 
 
 def test_one_target_serves_batch1_and_batched_decoders(tiny_small_vocab_dir):
@@ -185,11 +185,11 @@ def test_one_target_serves_batch1_and_batched_decoders(tiny_small_vocab_dir):
     target.setup_cache(128)
     drafter = random_drafter(target, "eagle2", seed=0)
     weight, ids = drafter.head_weight(target)
-    batch = BatchDecoder(target, drafter, lambda: make_head("full", weight, ids, 16), TreeConfig(2, 1, 4), 4)
+    batch = Decoder(target, drafter, lambda: make_head("full", weight, ids, 16), TreeConfig(2, 1, 4), 128, max_batch=4)
     alone = Decoder(target, drafter, make_head("full", weight, ids, 16), TreeConfig(2, 1, 4), 128)
     assert target.lanes == 4
     prompts = prompts_of(16, 4, seed=3)
-    assert [r.tokens for r in batch.generate(prompts, 10)] == [alone.generate(p, 10).tokens for p in prompts]
+    assert [r.tokens for r in batch.generate_batch(prompts, 10)] == [alone.generate(p, 10).tokens for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
@@ -207,7 +207,7 @@ def test_batch_guard_sends_losing_rounds_to_ar_and_changes_no_output(tiny_small_
     share = {}
     for margin in (1e6, 1e-6):
         cfg = GuardConfig(window=2, ar_steps=2, max_ar_steps=8, margin=margin)
-        batch = BatchDecoder(dec.target, dec.drafter, make, tree, 3, list(dec.stop_ids), guard=cfg)
+        batch = Decoder(dec.target, dec.drafter, make, tree, dec.max_len, list(dec.stop_ids), cfg, max_batch=3)
         rids = [batch.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
         results = {}
         while batch.busy:

@@ -1,12 +1,12 @@
 """The batch study (``spechead bench --batch 1,2,4,8``): where speculation and each head still pay as batch grows.
 
-Every method decodes the same prompts (first turns) with the batched decoder (``decoding.batch``) at each
+Every method decodes the same prompts (first turns) with the batched decoder (``decoding.decoder``) at each
 batch size: all requests are submitted at once and join as lanes free up (continuous batching). Per
 (batch, method): total tokens/s (every token of every request over the wall time, prefills included),
 per-request latency (submission to last token: p50 / p99) and time per output token, tau, and
 ``mismatches_vs_ar``: greedy requests whose output differs from the batch-1 AR output of the same prompt.
 
-Unless ``--tree`` fixes one, each round's tree follows ``decoding.batch.batch_tree``: the rows a round spends
+Unless ``--tree`` fixes one, each round's tree follows ``decoding.tree.batch_tree``: the rows a round spends
 on drafts shrink as requests share it.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 
 from spechead.bench.methods import MethodSpec
 from spechead.bench.runners import method_drafter
-from spechead.decoding.batch import BatchDecoder, batch_tree
+from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
 from spechead.decoding.sampling import SamplingConfig
 from spechead.decoding.session import DEFAULT_TREE, Session
-from spechead.decoding.tree import TreeConfig
+from spechead.decoding.tree import TreeConfig, batch_tree
 from spechead.errors import SpecheadError
 
 
@@ -68,7 +68,7 @@ def run_batch_study(
     for b in batches:
         decs = {m.name: _decoder(session, m, b, tree, drafters, loaded, guard) for m in methods}
         for dec, _ in decs.values():
-            dec.generate(prompts[:b], 8, sampling)  # warm-up: every lane once
+            dec.generate_batch(prompts[:b], 8, sampling)  # warm-up: every lane once
         runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
         for _ in range(repeats):  # methods interleaved, so that drift of the machine hits each alike
             for m in methods:
@@ -97,11 +97,11 @@ def run_batch_study(
     return out
 
 
-def _timed(dec: BatchDecoder, prompts: list[list[int]], max_new: int, sampling: SamplingConfig, reference) -> dict:
+def _timed(dec: Decoder, prompts: list[list[int]], max_new: int, sampling: SamplingConfig, reference) -> dict:
     """One timed pass of every prompt through ``dec`` (all submitted at once)."""
     dec.timers.reset()
     t0 = time.perf_counter()
-    results = dec.generate(prompts, max_new, sampling)
+    results = dec.generate_batch(prompts, max_new, sampling)
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in results)
     lat = [r.wall_s for r in results]
@@ -129,17 +129,17 @@ def _decoder(
     drafters: dict[str, str],
     loaded: dict,
     guard: bool = True,
-) -> tuple[BatchDecoder, str]:
+) -> tuple[Decoder, str]:
     """The batched decoder for method ``m`` at ``batch`` and the tree it drafts ('ar' when it does not)."""
     if m.kind == "ar":
-        return session.batch_decoder(max_batch=batch), "ar"
+        return session.decoder(max_batch=batch), "ar"
     drafter, _ = method_drafter(session, m.drafter, drafters, loaded)
     head = m.head
     if m.drafter == "lowrank" and getattr(drafter, "low_rank_head", None) is None and head == "lowrank":
         head = f"lowrank:{max(1, drafter.head_weight(session.target)[0].shape[1] // 8)}"
     fixed = m.tree or tree
     shape = str(fixed) if fixed else f"rule ({batch_tree(DEFAULT_TREE, batch) or 'ar'} when full)"
-    return session.batch_decoder(drafter, head, fixed or "auto", batch, guard=GuardConfig(enabled=guard)), shape
+    return session.decoder(drafter, head, fixed or "auto", GuardConfig(enabled=guard), batch), shape
 
 
 def format_batch_table(out: dict[str, Any]) -> str:

@@ -1,41 +1,51 @@
-"""The decoding engine: autoregressive baseline and EAGLE-style speculative decoding.
+"""The decoding engine: one speculative round for 1..B requests, each on its own cache lane (batch 1 is one lane).
 
-One request at a time (batch 1), everything preallocated. A round of speculative decoding is:
-draft a tree from the drafter's state (drafter backbone + draft head), verify all of it with one
-target forward under a tree attention mask, accept the longest path the target agrees with (or
-the lossless sampling rule), compact the target KV cache to that path, show the head the verified
-tree, and catch the drafter up on the accepted tokens, which also yields the next tree's root state.
+A round, for every request in it: catch the drafter up on the request's accepted pairs, draft a tree (drafter
+backbone + draft head; one drafter pass and one head call per tree level for all requests), verify every tree in
+one target forward (``Transformer.forward_batch``: the projections over all rows at once, attention per request
+under its own tree mask), accept the longest path the target agrees with (or the lossless sampling rule), compact
+the request's KV lane to that path and show its head the verified tree. Requests join between rounds (a newcomer
+is prefilled alone) and leave when they finish or are cancelled, which frees the lane for the next.
 
-A guard (``GuardConfig``) keeps speculation from being slower than plain decoding: when the measured
-speculative rate falls below the AR step rate, the loop decodes autoregressively for a while (the same
-target step as ``_autoregressive``, so the output is unchanged), then probes speculation again.
+Why the output is unchanged: a request's rows meet other requests' rows only in the projections, whose kernel
+computes each row in one fixed order whatever the row count (``kernels.linear``); attention, acceptance and the
+sampling draws (one per sequence position) are the request's own. So each request decodes exactly as plain AR
+decoding of it alone would: greedy token for token, seeded sampling draw for draw.
+
+The guard (``GuardConfig``) chooses per round how much to draft: the tree, a lean one-token draft, or nothing
+(an AR step), so that speculation is never slower than AR; it never changes what is committed.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from spechead.decoding.guard import Guard, GuardConfig
-from spechead.decoding.sampling import SamplingConfig, accept, choose, make_draws
-from spechead.decoding.tree import ContextLookup, TreeConfig, draft_tree, place_lookup
+from spechead.decoding.sampling import Draws, SamplingConfig, accept, choose, make_draws
+from spechead.decoding.tree import ContextLookup, DraftTree, TreeConfig, draft_trees, place_lookup
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead
 from spechead.model.drafter import Drafter
-from spechead.model.transformer import Transformer
+from spechead.model.layers import Segment
+from spechead.model.transformer import BatchPart, Transformer
 from spechead.timing import Timers
+
+TreeRule = Callable[[int], TreeConfig | None]  # requests in a round -> the tree each drafts (None: an AR round)
 
 
 @dataclass
 class GenerationResult:
     tokens: list[int]
     prompt_len: int
-    stop_reason: str  # "stop_token" | "max_new_tokens" | "context"
-    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification round
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "context" | "cancelled"
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round (speculative, or plain AR)
     timers_ms: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     prefill_s: float = 0.0
@@ -47,6 +57,15 @@ class GenerationResult:
         """Mean tokens committed per speculative round (bonus token included); the guard's AR steps are
         not rounds (see ``mode_rounds``)."""
         return tau_of(self.accept_lengths)
+
+
+@dataclass
+class Event:
+    """What a step did for one request: the tokens it committed (possibly none) and, once it finished, its result."""
+
+    rid: int
+    tokens: list[int]
+    result: GenerationResult | None = None
 
 
 def tau_of(accept_lengths: list[int]) -> float:
@@ -79,204 +98,394 @@ def clip_round(new: list[int], done: int, max_new: int, stop_ids: set[int]) -> t
     return new, None
 
 
+@dataclass(eq=False)
+class Request:
+    """A request's state between rounds."""
+
+    rid: int
+    ids: Tensor
+    max_new: int
+    draws: Draws | None  # None: greedy
+    speculative: bool
+    submitted: float
+    lane: int = -1
+    head: DraftHead | None = None
+    lookup: ContextLookup | None = None
+    length: int = 0  # tokens in the target cache; the root is not yet in it
+    root: int = 0
+    out: list[int] = field(default_factory=list)
+    feats: list[Tensor] = field(default_factory=list)  # accepted pairs the drafter has not seen yet
+    next_tokens: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    modes: dict[str, int] = field(default_factory=lambda: {"speculative": 0, "lean": 0, "ar": 0})
+    prefill_s: float = 0.0
+    cancelled: bool = False
+    timers0: dict[str, float] = field(default_factory=dict)  # the decoder's and head's timers when it joined
+    head_timers0: dict[str, float] = field(default_factory=dict)
+
+
+def _since(now: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+    return {k: v - then.get(k, 0.0) for k, v in now.items() if v - then.get(k, 0.0) > 0}
+
+
 class Decoder:
-    """Holds a target (and optionally a drafter + head) and generates for one prompt at a time."""
+    """Up to ``max_batch`` requests decoded together; ``drafter`` None decodes them autoregressively.
+
+    ``head``: a draft head, or a function that builds one (called once for a stateless head, which every request
+    shares, and once per lane for one that keeps per-request state, such as NanoSpec's). ``tree``: every request's
+    tree, or a rule giving it for the number of requests in a round (None: that round decodes autoregressively).
+    ``guard``: the never-slower-than-AR policy (None: speculate every round). One ``Guard`` per number of requests
+    in a round compares the tokens a speculative round commits per second with the AR rounds' at that occupancy;
+    a round of n requests is n requests' worth of evidence, so above one its window and AR stretch are the
+    configured ones over n (at least 2). ``ar_step_s``: a measured batch-1 AR step time, which spares that guard
+    measuring one."""
 
     def __init__(
         self,
         target: Transformer,
         drafter: Drafter | None = None,
-        head: DraftHead | None = None,
-        tree: TreeConfig | None = None,
+        head: DraftHead | Callable[[], DraftHead] | None = None,
+        tree: TreeConfig | TreeRule | None = None,
         max_len: int = 4096,
         stop_ids: list[int] | None = None,
         guard: GuardConfig | None = None,
         ar_step_s: float | None = None,
+        max_batch: int = 1,
     ) -> None:
-        """``guard``: the never-slower-than-AR policy (None: none, plain speculation as measured by benchmarks
-        of raw speculative speed; user-facing decoders pass GuardConfig()). ``ar_step_s``: a measured AR
-        step time on this machine, which spares the guard measuring one (it still refines it from the AR
-        steps it runs)."""
-        self.target, self.drafter, self.head = target, drafter, head
-        self.tree = tree or TreeConfig()
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise SpecheadError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if drafter is not None and head is None:
+            raise ValueError("a drafter needs a head")
+        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
+            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
+        self.target, self.drafter, self.max_batch = target, drafter, max_batch
+        fixed = tree if isinstance(tree, TreeConfig) else TreeConfig()
+        self.tree_for: TreeRule = tree if callable(tree) else (lambda n: fixed)
+        self.tree = self.tree_for(1) or fixed  # the batch-1 tree
         self.lean_tree = self.tree.lean()
-        self.guard = Guard(guard or GuardConfig(enabled=False), ar_step_s, has_lean=self.lean_tree != self.tree)
+        shapes = [t for t in (self.tree_for(n) for n in range(1, max_batch + 1)) if t is not None]
+        self.uses_lookup = any(t.uses_lookup for t in shapes)
         self.max_len = min(max_len, target.config.max_position_embeddings)
         self.stop_ids = set(stop_ids or [])
         self.device = target.lm_head.weight.device
         self.timers = Timers()
-        # the speculative rounds' accept lengths of the request being streamed so far: what a caller that stops
-        # the stream early (a stop string) reports as its tau, the guard's AR steps not counted
-        self.accept_lengths_so_far: list[int] = []
-        target.setup_cache(self.max_len)
+        target.setup_cache(self.max_len, max_batch)
+        rows = max((n * t.max_rows for n, t in enumerate(shapes, 1)), default=1) if drafter is not None else 1
+        target.prepack(max(rows, max_batch))  # every row of the largest round on the kernel, as rows at batch 1
+        self._make_head: Callable[[], DraftHead] | None = None
+        self._shared: DraftHead | None = None
+        self._lane_heads: dict[int, DraftHead] = {}
         if drafter is not None:
-            if head is None:
-                raise ValueError("a drafter needs a head")
-            drafter.setup_cache(self.max_len + self.tree.drafter_slots)
-        # decode steps run the target on one row, verification on up to `max_rows` rows every round: lay
-        # its weights out for that (the same layout serves both where spechead's kernel runs, bitwise the same
-        # per row whatever the row count; MKL's fallback packing serves `max_rows` only, so rounds whose lookup
-        # branch is shorter use F.linear)
-        target.prepack(self.tree.max_rows if drafter is not None else 1)
-        if drafter is not None:
-            drafter.prepack(self.tree.top_k)
+            drafter.setup_cache(self.max_len + max((t.drafter_slots for t in shapes), default=0), max_batch)
+            drafter.prepack(max((n * t.top_k for n, t in enumerate(shapes, 1)), default=1))
+            first = head if isinstance(head, DraftHead) else head()
+            if first.per_round and isinstance(head, DraftHead) and max_batch > 1:
+                raise ValueError("a head that keeps per-request state needs a function that builds one per lane")
+            self._make_head = None if isinstance(head, DraftHead) else head
+            if first.per_round:
+                self._lane_heads[0] = first
+            else:
+                self._shared = first
+        self.guard_cfg = guard if guard is not None and guard.enabled and drafter is not None else None
+        self.ar_step_s = ar_step_s
+        self.guards: dict[int, Guard] = {}
+        if self.guard_cfg is not None:
+            self._guard(1)
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.last_round = 0  # requests the last step's round decoded (0: it ran none)
+        self._next_rid = 0
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _check_prompt(self, prompt: list[int] | Tensor) -> Tensor:
-        return check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
+    # -- what a batch-1 caller reads ----------------------------------------------------------------
+    @property
+    def head(self) -> DraftHead | None:
+        """The head of lane 0 (every lane's, for a stateless head)."""
+        return self._shared or self._lane_heads.get(0)
 
-    def _finish(self, new: list[int], out: list[int], max_new: int) -> tuple[list[int], str | None]:
-        return clip_round(new, len(out), max_new, self.stop_ids)
+    @property
+    def guard(self) -> Guard | None:
+        """The guard of rounds of one request."""
+        return self._guard(1)
 
-    # -- public API -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def generate(
+    @guard.setter
+    def guard(self, value: Guard) -> None:
+        self.guards[1] = value
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @property
+    def occupancy(self) -> int:
+        return len(self.active)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def submit(
         self,
         prompt: list[int] | Tensor,
         max_new_tokens: int = 128,
         sampling: SamplingConfig | None = None,
-        speculative: bool = True,
-    ) -> GenerationResult:
-        res = None
-        for item in self.stream(prompt, max_new_tokens, sampling, speculative):
-            if isinstance(item, GenerationResult):
-                res = item
-        assert res is not None
-        return res
+        speculative: bool | None = None,
+        head: DraftHead | None = None,
+    ) -> int:
+        """Queue a request; it joins at the next step with a free lane. Returns its id. ``speculative``: draft for
+        it (default: where the decoder has a drafter). ``head``: the request's own draft head (shared with other
+        requests where it keeps no per-request state; a fresh one where it does), else the decoder's."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpecheadError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        ids = check_prompt(prompt, self.max_len, self.target.config.vocab_size, self.device)
+        if speculative and self.drafter is None:
+            raise SpecheadError("speculative decoding needs a drafter")
+        spec = self.drafter is not None if speculative is None else speculative
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        self.waiting.append(Request(rid, ids, max_new_tokens, make_draws(sampling or SamplingConfig()), spec,
+                                    time.perf_counter(), head=head))  # fmt: skip
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop a request at the next step, waiting or active (an active one's lane is then free); that step's
+        events give its result, stop reason ``cancelled``, so a caller releases every request the same way."""
+        for r in (*self.waiting, *self.active):
+            if r.rid == rid:
+                r.cancelled = True
+
+    def accept_lengths_so_far(self, rid: int) -> list[int]:
+        """A request still in the decoder: its speculative rounds' accept lengths so far (what a caller that ends
+        it early, on a stop string, reports as its tau); empty for one that has left."""
+        return next((list(r.accept_lengths) for r in (*self.waiting, *self.active) if r.rid == rid), [])
 
     @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """Drop cancelled requests, admit waiting ones into free lanes (prefilled alone), then run one round for
+        every active request."""
+        events: list[Event] = [self._leave(r, "cancelled") for r in (*self.waiting, *self.active) if r.cancelled]
+        used = {r.lane for r in self.active}
+        free = [lane for lane in range(self.max_batch) if lane not in used]
+        while self.waiting and free:
+            r = self.waiting.popleft()
+            r.lane = free.pop(0)
+            events.append(self._join(r))
+        events += [self._leave(r, "context") for r in self.active if r.length >= self.max_len]
+        self.last_round = len(self.active)
+        if self.active:
+            events += self._round(list(self.active))
+        return events
+
     def stream(
         self,
         prompt: list[int] | Tensor,
         max_new_tokens: int = 128,
         sampling: SamplingConfig | None = None,
-        speculative: bool = True,
+        speculative: bool | None = None,
     ) -> Iterator[list[int] | GenerationResult]:
-        """Yield lists of newly committed tokens as they are decided, then the GenerationResult."""
-        if max_new_tokens < 1:
-            raise SpecheadError("max_new_tokens must be >= 1")
-        ids = self._check_prompt(prompt)
-        cfg = sampling or SamplingConfig()
-        if speculative and self.drafter is None:
-            raise SpecheadError("speculative decoding needs a drafter")
-        run = self._speculative if speculative else self._autoregressive
-        self.accept_lengths_so_far = []
-        yield from run(ids, max_new_tokens, cfg)
+        """One request alone: yield lists of newly committed tokens as they are decided, then its result. Closing
+        the iterator early drops the request."""
+        if self.busy:
+            raise SpecheadError("stream() and generate() decode one request alone; this decoder has others in flight")
+        rid = self.submit(prompt, max_new_tokens, sampling, speculative)
+        try:
+            while True:
+                for e in self.step():
+                    if e.tokens:
+                        yield e.tokens
+                    if e.result is not None:
+                        yield e.result
+                        return
+        finally:
+            if self.busy:
+                self.cancel(rid)
+                self.step()
 
-    def _autoregressive(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        tm, draws, t0 = Timers(), make_draws(cfg), time.perf_counter()
-        with tm("prefill", self.device):
-            logits = self.target(ids, 0, logits_rows=slice(-1, None)).logits[-1]
-            tok = choose(logits, draws, ids.numel())
-        prefill_s = time.perf_counter() - t0
-        out: list[int] = []
-        length = ids.numel()
-        reason = None
-        while True:
-            new, reason = self._finish([tok], out, max_new)
-            out += new
-            if new:
-                yield new
-            if reason:
-                break
-            if length + 1 > self.max_len:
-                reason = "context"
-                break
-            with tm("verify", self.device):
-                logits = self.target(torch.tensor([tok], device=self.device), length).logits[-1]
-                tok = choose(logits, draws, length + 1)
-            length += 1
-        steps = length - ids.numel()
-        yield GenerationResult(
-            out, ids.numel(), reason, [1] * (len(out) - 1), dict(tm.ms), time.perf_counter() - t0, prefill_s,
-            mode_rounds={"speculative": 0, "ar": steps},
-        )  # fmt: skip
+    def generate(
+        self,
+        prompt: list[int] | Tensor,
+        max_new_tokens: int = 128,
+        sampling: SamplingConfig | None = None,
+        speculative: bool | None = None,
+    ) -> GenerationResult:
+        """One request alone, to its end."""
+        return [x for x in self.stream(prompt, max_new_tokens, sampling, speculative)][-1]  # type: ignore[return-value]
 
-    def _speculative(self, ids: Tensor, max_new: int, cfg: SamplingConfig) -> Iterator[list[int] | GenerationResult]:
-        target, drafter, head, tree_cfg, guard = self.target, self.drafter, self.head, self.tree, self.guard
-        tm, draws, t0, dev = Timers(), make_draws(cfg), time.perf_counter(), self.device
-        head.timers.reset()
-        guard.begin()
-        want_aux = drafter.arch == "eagle3"
-        with tm("prefill", dev):
-            rows = slice(-head.prompt_logit_rows(ids.numel(), target.config), None)
-            pre = target(ids, 0, logits_rows=rows, want_aux=want_aux)
-            root = choose(pre.logits[-1], draws, ids.numel())
-            head.begin(ids, pre.logits if head.needs_prompt_logits else None)
-            lookup = ContextLookup() if tree_cfg.uses_lookup else None
-            if lookup is not None:
-                lookup.extend(ids.tolist() + [root])
-        prefill_s = time.perf_counter() - t0
-        length = ids.numel()  # tokens in the target cache; the root is not yet in it
-        # the accepted pairs (feature_j, token_{j+1}) the drafter has not seen yet: the prompt's, then those
-        # of every speculative round or AR step since its last catch-up
-        feats, next_tokens = [drafter.target_features(pre)], ids[1:].tolist() + [root]
-        out: list[int] = []
-        accept_lengths = self.accept_lengths_so_far
-        new, reason = self._finish([root], out, max_new)
-        out += new
-        yield new
-        while reason is None:
-            step_t0, ar = guard.clock(), guard.ar
-            room = self.max_len - length
-            if room <= 0:
-                reason = "context"
-                break
-            if ar:  # exactly _autoregressive's step; the head sees it as a one-node tree
-                with tm("ar", dev):
-                    tree_tokens = torch.tensor([root], device=dev)
-                    vo = target(tree_tokens, length, want_aux=want_aux)
-                    committed, path_t = [choose(vo.logits[-1], draws, length + 1)], None
+    def generate_batch(
+        self, prompts: list[list[int] | Tensor], max_new_tokens: int = 128, sampling: SamplingConfig | None = None
+    ) -> list[GenerationResult]:
+        """Decode every prompt (up to ``max_batch`` at a time, newcomers joining as others finish); results in
+        the prompts' order."""
+        rids = [self.submit(p, max_new_tokens, sampling) for p in prompts]
+        done: dict[int, GenerationResult] = {}
+        while self.busy:
+            done.update((e.rid, e.result) for e in self.step() if e.result is not None)
+        return [done[rid] for rid in rids]
+
+    # -- joining and leaving ------------------------------------------------------------------------
+    def _lane_head(self, lane: int) -> DraftHead:
+        if self._shared is not None:
+            return self._shared
+        if lane not in self._lane_heads:
+            self._lane_heads[lane] = self._make_head()
+        return self._lane_heads[lane]
+
+    def _join(self, r: Request) -> Event:
+        """Prefill a newcomer alone on its lane and emit its first token."""
+        if not self.active and self.guards.get(1) is not None:
+            self.guards[1].begin()  # a request alone: the batch-1 guard's per-request state starts afresh
+        t0, target, drafter = time.perf_counter(), self.target, self.drafter
+        r.timers0 = dict(self.timers.ms)
+        with self.timers("prefill", self.device):
+            if not r.speculative:
+                pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=slice(-1, None))])[0]
             else:
-                # catch the drafter up on the accepted pairs; its cache then has `length` pairs
-                with tm("backbone", dev):
-                    f, feats = torch.cat(feats), []
-                    pos = torch.arange(length - f.shape[0], length, device=dev)
-                    h = drafter(torch.tensor(next_tokens, device=dev), f, length - f.shape[0], pos, None)  # causal
-                    next_tokens = []
-                shape = self.lean_tree if guard.lean else tree_cfg  # (the lean tree keeps tree_cfg's lookup)
-                n_nodes = min(shape.total_tokens - 1, room - 1)
-                with tm("draft", dev):
-                    tree = draft_tree(drafter, head, h[-1:], root, length, shape, n_nodes)
-                    if lookup is not None:
-                        tree = place_lookup(tree, lookup, shape, room)
-                with tm("verify", dev):
-                    mask = torch.cat([torch.ones(tree.size, length, dtype=torch.bool, device=dev), tree.mask], dim=1)
-                    vo = target(tree.tokens, length, positions=tree.depth + length, mask=mask, want_aux=want_aux)
-                    path, committed = accept(tree.tokens.tolist(), tree.parents, vo.logits, draws, length + 1)
+                r.head = r.head or self._lane_head(r.lane)
+                r.head_timers0 = dict(r.head.timers.ms)
+                rows = slice(-r.head.prompt_logit_rows(r.ids.numel(), target.config), None)
+                want_aux = drafter.arch == "eagle3"
+                pre = target.forward_batch([BatchPart(r.ids, 0, r.lane, logits_rows=rows)], want_aux)[0]
+                r.head.begin(r.ids, pre.logits if r.head.needs_prompt_logits else None)
+            r.root = choose(pre.logits[-1], r.draws, r.ids.numel())
+            if r.speculative:
+                r.feats, r.next_tokens = [drafter.target_features(pre)], r.ids[1:].tolist() + [r.root]
+                if self.uses_lookup:
+                    r.lookup = ContextLookup()
+                    r.lookup.extend(r.ids.tolist() + [r.root])
+        r.prefill_s, r.length = time.perf_counter() - t0, r.ids.numel()
+        self.active.append(r)
+        return self._emit(r, [r.root])
+
+    def _emit(self, r: Request, committed: list[int], rounded: bool = False) -> Event:
+        """Commit a round's tokens (clipped at a stop token or the budget); ``rounded``: a round whose accept
+        length counts (a speculative round, or a plain AR step), which is what it really emitted."""
+        new, reason = clip_round(committed, len(r.out), r.max_new, self.stop_ids)
+        r.out += new
+        if rounded:
+            r.accept_lengths.append(len(new))
+        if r.lookup is not None:
+            r.lookup.extend(new)
+        if reason is not None:
+            return self._leave(r, reason, new)
+        return Event(r.rid, new)
+
+    def _leave(self, r: Request, reason: str, new: list[int] | None = None) -> Event:
+        (self.active if r.lane >= 0 else self.waiting).remove(r)
+        timers = _since(self.timers.ms, r.timers0) if r.lane >= 0 else {}
+        stats, modes = {}, dict(r.modes)
+        if r.speculative and r.head is not None:
+            stats = r.head.stats()
+            head_ms = _since(r.head.timers.ms, r.head_timers0)
+            timers["head"], timers["gather"] = head_ms.get("head", 0.0), head_ms.get("gather", 0.0)
+            timers["backbone"] = timers.get("backbone", 0.0) + timers.pop("draft", 0.0) - timers["head"]
+            timers["backbone"] -= timers["gather"]
+        else:
+            modes = {"speculative": 0, "ar": modes["ar"]}
+        result = GenerationResult(
+            r.out, r.ids.numel(), reason, r.accept_lengths, timers, time.perf_counter() - r.submitted, r.prefill_s,
+            stats, modes,
+        )  # fmt: skip
+        return Event(r.rid, new or [], result)
+
+    # -- a round ------------------------------------------------------------------------------------
+    def _guard(self, n: int) -> Guard | None:
+        """The guard of rounds of ``n`` requests, made on first use (None: no guard)."""
+        if n not in self.guards and self.guard_cfg is not None:
+            cfg, shape = self.guard_cfg, self.tree_for(n)
+            if n > 1:
+                steps, window = max(2, -(-cfg.ar_steps // n)), max(2, -(-cfg.window // n))
+                cfg = replace(cfg, window=window, ar_steps=steps, max_ar_steps=max(steps, cfg.max_ar_steps))
+            lean = shape is not None and shape.lean() != shape
+            self.guards[n] = Guard(cfg, self.ar_step_s if n == 1 else None, has_lean=lean)
+        return self.guards.get(n)
+
+    def _draft(self, reqs: list[Request], shape: TreeConfig) -> list[DraftTree]:
+        """Catch the drafter up on every request's accepted pairs in one pass, then draft all their trees."""
+        drafter, dev, tm = self.drafter, self.device, self.timers
+        with tm("backbone", dev):
+            segments, tokens, feats, positions, row0 = [], [], [], [], 0
+            for r in reqs:
+                f = torch.cat(r.feats)
+                n = f.shape[0]
+                segments.append(Segment(row0, n, r.length - n, None, r.lane))
+                tokens.append(torch.tensor(r.next_tokens, device=dev))
+                feats.append(f)
+                positions.append(torch.arange(r.length - n, r.length, device=dev))
+                r.feats, r.next_tokens, row0 = [], [], row0 + n
+            one = len(reqs) == 1
+            cat = (lambda xs: xs[0]) if one else torch.cat
+            h = drafter(cat(tokens), cat(feats), segments, cat(positions), None)
+            h_last = h[-1:] if one else h[torch.tensor([s.row0 + s.t - 1 for s in segments], device=dev)]
+        with tm("draft", dev):
+            n_nodes = [min(shape.total_tokens - 1, self.max_len - r.length - 1) for r in reqs]
+            trees = draft_trees(
+                drafter, [r.head for r in reqs], h_last, [r.root for r in reqs], [r.length for r in reqs],
+                [r.lane for r in reqs], shape, n_nodes,
+            )  # fmt: skip
+            if shape.uses_lookup:
+                for i, r in enumerate(reqs):
+                    if r.lookup is not None:
+                        trees[i] = place_lookup(trees[i], r.lookup, shape, self.max_len - r.length)
+        return trees
+
+    def _round(self, reqs: list[Request]) -> list[Event]:
+        """Draft for the speculating requests, verify every request's rows in one target forward, accept."""
+        target, drafter, dev, tm = self.target, self.drafter, self.device, self.timers
+        shape = self.tree_for(len(reqs)) if drafter is not None else None
+        guard = self._guard(len(reqs)) if shape is not None else None
+        mode = "speculative" if shape is not None else "plain"
+        if guard is not None and guard.ar:
+            shape, mode = None, "ar"
+        elif guard is not None and guard.lean:
+            shape, mode = shape.lean(), "lean"
+        t0 = guard.clock() if guard is not None else 0.0
+        spec = [r for r in reqs if r.speculative] if shape is not None else []
+        trees = dict(zip((r.rid for r in spec), self._draft(spec, shape), strict=True)) if spec else {}
+        want_aux = drafter is not None and drafter.arch == "eagle3" and any(r.speculative for r in reqs)
+        committed_all: list[tuple[Request, list[int], bool]] = []
+        paths: list[Tensor | None] = []
+        with tm("ar" if mode == "ar" else "verify", dev):
+            parts = []
+            for r in reqs:
+                tree = trees.get(r.rid)
+                if tree is None:  # exactly a plain AR step
+                    parts.append(BatchPart(torch.tensor([r.root], device=dev), r.length, r.lane))
+                    continue
+                mask = torch.cat([torch.ones(tree.size, r.length, dtype=torch.bool, device=dev), tree.mask], dim=1)
+                parts.append(BatchPart(tree.tokens, r.length, r.lane, tree.depth + r.length, mask))
+            outs = target.forward_batch(parts, want_aux)
+            for r, vo in zip(reqs, outs, strict=True):
+                tree, path_t = trees.get(r.rid), None
+                if tree is None:
+                    committed = [choose(vo.logits[-1], r.draws, r.length + 1)]
+                else:
+                    path, committed = accept(tree.tokens.tolist(), tree.parents, vo.logits, r.draws, r.length + 1)
                     path_t = torch.tensor(path, device=dev)
                     if path[-1] != len(path) - 1:  # compact only when the path is not already contiguous
-                        target.move_cache(path_t + length, length)
-                tree_tokens = tree.tokens
-            with tm("observe", dev):  # context-aware heads update here (NanoSpec's Ext source)
-                head.observe(tree_tokens, vo.logits, committed)
-            f = drafter.target_features(vo)
-            feats.append(f if path_t is None else f[path_t])
-            next_tokens += committed
-            length += len(committed)
-            root = committed[-1]
-            new, reason = self._finish(committed, out, max_new)
-            guard.record(len(committed), guard.clock() - step_t0)  # before the yield: the caller's time is not ours
-            if not ar:
-                accept_lengths.append(len(new))  # what the round really emitted (clipped at a stop or the budget)
-            out += new
-            if lookup is not None:
-                lookup.extend(new)
-            if new:
-                yield new
-        timers = dict(tm.ms)
-        timers["head"] = head.timers.ms.get("head", 0.0)
-        timers["gather"] = head.timers.ms.get("gather", 0.0)
-        timers["backbone"] = timers.get("backbone", 0.0) + timers.get("draft", 0.0) - timers["head"] - timers["gather"]
-        timers.pop("draft", None)
-        yield GenerationResult(
-            out,
-            ids.numel(),
-            reason,
-            accept_lengths,
-            timers,
-            time.perf_counter() - t0,
-            prefill_s,
-            head.stats(),
-            dict(guard.counts),
-        )
+                        target.move_cache(path_t + r.length, r.length, r.lane)
+                committed_all.append((r, committed, tree is not None))
+                paths.append(path_t)
+        for (r, committed, _), part, vo, path_t in zip(committed_all, parts, outs, paths, strict=True):
+            if r.speculative:  # an AR round too: the head sees a one-node tree, the drafter gets its pair
+                with tm("observe", dev):
+                    r.head.observe(part.tokens, vo.logits, committed)
+                f = drafter.target_features(vo)
+                r.feats.append(f if path_t is None else f[path_t])
+                r.next_tokens += committed
+        events = []
+        for r, committed, drafted in committed_all:
+            r.length += len(committed)
+            r.root = committed[-1]
+            self._count(r, mode if r.speculative else "plain")
+            events.append(self._emit(r, committed, rounded=drafted or not r.speculative))
+        if guard is not None:  # a speculative round: every token it committed; an AR one: the time per request
+            seconds = guard.clock() - t0
+            if mode == "ar":
+                guard.record(1, seconds / len(reqs))
+            else:
+                guard.record(sum(len(c) for _, c, _ in committed_all), seconds)
+        return events
+
+    @staticmethod
+    def _count(r: Request, mode: str) -> None:
+        if mode == "plain":
+            r.modes["ar"] += 1
+            return
+        r.modes["ar" if mode == "ar" else "speculative"] += 1
+        if mode == "lean":
+            r.modes["lean"] += 1

@@ -12,29 +12,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed
-    per second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode
-    ``ar_steps`` tokens autoregressively, then probe speculation again. Each probe that fails doubles the
-    stretch (up to ``max_ar_steps``, kept across requests, and a request after one that speculation lost
-    as a whole starts with it); a probe that beats AR resets it. A stretch left unfinished at the end of a
-    request carries on into the next one, so a probe comes at least every ``max_ar_steps`` AR steps whatever
-    the requests' lengths (restarted per request, a stretch longer than the requests never ended: the full
-    head on Gemma 3 270M, 1.6x AR raw, was held at AR for 2,220 of 2,256 steps). A window of 4 rounds was
-    too noisy: a few 1-token rounds in a row sent decoders that beat AR by 1.4-1.6x overall to AR for a
-    third of their tokens. In a probe, two rounds decide already when speculation runs at under
-    ``Guard.PROBE_EARLY`` (3/4) of the AR rate: probing a drafter that never hits for a full window per
-    request cost 30 % of AR's speed (the fifth session's benchmark, results/bench/portable), and with the
-    early exit at half the AR rate a drafter that never hits on the demo target (1-token rounds of 1.96 AR
-    steps) still ran every probe for a full window: 0.94x AR (eleventh session, results/bench/zen3).
+    """Never slower than AR: once the speculative rate over the last ``window`` rounds (tokens committed per
+    second of backbone + draft + verify + observe) is below ``margin`` times the AR step rate, decode ``ar_steps``
+    tokens autoregressively, then probe speculation again.
 
-    Before AR, a lean rung (``lean``, where the decoder has one: a single draft token plus the same lookup
-    branch, one head call a round): a tree that loses to AR first hands over to it, since where few drafts are
-    accepted the cheapest draft wins (the full head on the demo's first prompt, CPU A: its tuned 2x1x4+lookup:8
-    tree 0.99x AR, 1x0x2+lookup:8 1.10x). The lean rung falls to AR when it loses too, and the probes after an
-    AR stretch draft lean (the cheap rounds: probing with the tree first, then the lean rung, took an always-wrong
-    drafter from 0.98x to 0.95x AR); after ``lean_rounds`` winning lean rounds the tree is probed again for a
-    window and kept if it beats the lean rung's last window (else the next lean stretch doubles, up to
-    ``max_ar_steps`` rounds)."""
+    - Each probe that fails doubles the AR stretch, up to ``max_ar_steps``; a probe that beats AR resets it. The
+      stretch is kept across requests (a request after one that speculation lost as a whole starts with it, and
+      a stretch left unfinished carries on), so a drafter that never pays costs one probe per stretch, not a
+      window per request, and a probe comes at least every ``max_ar_steps`` AR steps whatever the requests'
+      lengths.
+    - In a probe, two rounds already decide when speculation runs under ``Guard.PROBE_EARLY`` of the AR rate;
+      otherwise a full window decides, so that a few unlucky rounds of a good drafter do not.
+    - ``lean``: before AR, a lean rung (where the decoder's tree is larger than one draft token plus its lookup
+      branch): where few drafts are accepted the cheapest draft wins, so a losing tree first hands over to one
+      draft token a round (one head call); the lean rung falls to AR when it loses too, and probes after an AR
+      stretch draft lean. After ``lean_rounds`` winning lean rounds the tree is probed again for a window and
+      kept if it beats the lean rung's last window (else the next lean stretch doubles, up to
+      ``max_ar_steps``)."""
 
     enabled: bool = True
     window: int = 8

@@ -10,10 +10,9 @@ from typing import Protocol
 
 import torch
 
-from spechead.decoding.batch import BatchDecoder, batch_tree
 from spechead.decoding.decoder import Decoder
 from spechead.decoding.guard import GuardConfig
-from spechead.decoding.tree import TreeConfig
+from spechead.decoding.tree import TreeConfig, batch_tree
 from spechead.errors import SpecheadError, say_once
 from spechead.heads.base import DraftHead, head_class, make_head
 from spechead.model.config import ModelConfig
@@ -23,12 +22,10 @@ from spechead.model.tokenizer import encode_text, encode_turns, load_tokenizer, 
 from spechead.model.transformer import Transformer
 
 DEMO_DRAFTERS = Path(__file__).parent.parent / "drafters"
-# Chosen by measurement on the 2-core CPU with the shipped drafter (docs/results.md, "Tree shape";
-# results/bench/tree-sweep3): a shallow drafted tree (top_k 2, depth 1, 4 tokens) plus an 8-token
-# context-lookup branch was fastest (NanoSpec 1.70x AR, tau 2.37) against 2x4x8 with the same branch
-# (1.53x, tau 2.53) and 2x4x8 without it (1.20x, tau 1.83): the lookup branch supplies the long accepted
-# runs for free, and every drafter pass (about 1 ms here) costs more than the tokens it adds. On a GPU,
-# where drafter passes and verification rows are nearly free, the published 10/5/60 applies; pass --tree.
+# The tree where tuning cannot run: a shallow drafted tree (top_k 2, depth 1, 4 tokens) plus an 8-token
+# context-lookup branch. On a 2-core CPU every drafter pass costs more than the tokens a deeper tree adds, and the
+# lookup branch supplies long accepted runs for free (docs/trees.md). On a GPU, where drafter passes and
+# verification rows are nearly free, deeper and wider trees pay; pass --tree.
 DEFAULT_TREE = TreeConfig(top_k=2, depth=1, total_tokens=4, lookup=8)
 # The CLI's default tree: what `spechead tune` measured fastest here (spechead/tuning/); DEFAULT_TREE is its
 # fallback where tuning cannot run, and what a decoder gets without a tree. This layer only names it: a
@@ -138,15 +135,20 @@ class Session:
         head: str = "full",
         tree: TreeConfig | str | None = None,
         guard: GuardConfig | None = GUARD,
+        max_batch: int = 1,
     ) -> Decoder:
-        """``tree``: a TreeConfig or spec, None for DEFAULT_TREE, or ``auto``: what ``tree_resolver`` says (the
-        tuner's: the tuned tree for this machine, target, drafter, head and thread count, cached, else measured
-        now; DEFAULT_TREE if tuning cannot run), with its head spec (the tuned NanoSpec gather mode) and the
-        measured AR step time for the guard; without a resolver, DEFAULT_TREE.
+        """A decoder over this session's target for up to ``max_batch`` requests at a time, each with its own head
+        where the head keeps per-request state.
+
+        ``tree``: a TreeConfig or spec (every round's tree), None for DEFAULT_TREE, or ``auto``: what
+        ``tree_resolver`` says (the tuner's: the tuned tree for this machine, target, drafter, head and thread
+        count, cached, else measured now; DEFAULT_TREE if tuning cannot run), with its head spec (the tuned
+        NanoSpec gather mode) and the measured AR step time for the guard; without a resolver, DEFAULT_TREE. With
+        ``auto``, a round of several requests drafts ``batch_tree`` of that tree for its occupancy.
         ``guard``: the never-slower-than-AR policy user-facing decoders run with (None: speculate every round)."""
-        ar_step_s = None
+        ar_step_s, auto = None, isinstance(tree, str) and tree.strip() == AUTO_TREE
         if isinstance(tree, str):
-            if tree.strip() != AUTO_TREE:
+            if not auto:
                 tree = TreeConfig.parse(tree.strip())
             elif drafter is None:  # plain AR decoding has no tree to tune
                 tree = None
@@ -158,30 +160,16 @@ class Session:
             else:
                 tuned = self.tree_resolver(self, drafter, head)
                 tree, head, ar_step_s = tuned.tree, tuned.head_spec(head), tuned.ar_step_s
-        draft_head = self.draft_head(drafter, head) if drafter is not None else None
-        return Decoder(
-            self.target, drafter, draft_head, tree or DEFAULT_TREE, self.max_len, self.stop_ids, guard, ar_step_s
-        )
+        tree = tree or DEFAULT_TREE
+        rule = (lambda n, t=tree: t if n == 1 else batch_tree(t, n)) if auto and max_batch > 1 else tree
+        make = None
+        if drafter is not None:
+            make = lambda: self.draft_head(drafter, head)  # noqa: E731
+        return Decoder(self.target, drafter, make, rule, self.max_len, self.stop_ids, guard, ar_step_s, max_batch)
 
-    def batch_decoder(
-        self,
-        drafter: Drafter | None = None,
-        head: str = "full",
-        tree: TreeConfig | str | None = AUTO_TREE,
-        max_batch: int = 8,
-        base: TreeConfig | None = None,
-        guard: GuardConfig | None = GUARD,
-    ) -> BatchDecoder:
-        """A batched decoder (``decoding.batch``) over this session's target: ``max_batch`` requests at a time,
-        each with its own head where the head keeps per-request state. ``tree``: one tree (a TreeConfig or spec)
-        for every round, or ``auto``: each round's tree by ``batch_tree`` for the requests in it, from ``base``
-        (the batch-1 tree; default DEFAULT_TREE: batch-1 tuning does not know batches). ``guard``: never slower than
-        batched AR (None: speculate in every round the rule allows)."""
-        if isinstance(tree, str):
-            tree = None if tree.strip() == AUTO_TREE else TreeConfig.parse(tree.strip())
-        rule = tree or (lambda n, b=base or DEFAULT_TREE: batch_tree(b, n))
-        make = (lambda: self.draft_head(drafter, head)) if drafter is not None else None
-        return BatchDecoder(self.target, drafter, make, rule, max_batch, self.stop_ids, guard)
+    def batch_decoder(self, drafter=None, head="full", tree=AUTO_TREE, max_batch=8, guard=GUARD) -> Decoder:
+        """Transitional: ``decoder(..., max_batch=N)``."""
+        return self.decoder(drafter, head, tree, guard, max_batch)
 
     def encode(self, turns: list[dict[str, str]] | str, raw: bool = False) -> list[int]:
         """A prompt's ids: a string is one user turn; the chat template where the target has one (a base

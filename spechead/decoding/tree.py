@@ -111,6 +111,23 @@ class TreeConfig:
         return shape + (f"+lookup:{self.lookup}" if self.lookup else "+lookup-first" if self.lookup_first else "")
 
 
+ROW_BUDGET = 16  # verified rows a batched round aims at: the few-row kernel's cheap range on a 2-core CPU
+
+
+def batch_tree(tree: TreeConfig, batch: int, budget: int = ROW_BUDGET) -> TreeConfig | None:
+    """The tree each request drafts in a round of ``batch`` requests (None: the round decodes autoregressively).
+
+    On a CPU a verification row costs compute once a round holds more than a few rows in total, so the rows a
+    round can spend on drafts that may be rejected fall as requests share it. Each request gets ``budget // batch``
+    rows: ``tree`` where it fits, else a one-token draft plus a lookup branch filling the share, none below two."""
+    rows = budget // batch
+    if rows >= tree.max_rows:
+        return tree
+    if rows < 2:
+        return None
+    return TreeConfig(1, 0, 2, lookup=min(rows - 2, tree.lookup), lookup_first=tree.lookup_first)
+
+
 @dataclass
 class DraftTree:
     tokens: Tensor  # [N] root first

@@ -283,21 +283,17 @@ def build_worker(args) -> DecodeWorker:
 
     from spechead.decoding.session import check_drafter_spec, resolve_drafter
     from spechead.heads.base import check_head_spec
-    from spechead.serve.batch_worker import BatchWorker
     from spechead.tuning.tune import open_session
 
-    # bad options fail here, before the target loads and the default head's tree is tuned (auto: each head's
-    # decoder gets the tuning for this machine + target + drafter + head, another head's on its first request)
+    # bad options fail here, before the target loads and the default head's tree is tuned
     tree = args.tree if args.tree is None or args.tree.strip() == "auto" else TreeConfig.parse(args.tree)
     max_batch = getattr(args, "max_batch", 1)
-    BatchWorker.check_capacity(max_batch)
-    DecodeWorker.check_limits(args.queue_size, args.timeout, args.max_tokens)
+    DecodeWorker.check_limits(args.queue_size, args.timeout, args.max_tokens, max_batch)
     check_head_spec(args.head)
     check_drafter_spec(args.drafter)
     session = open_session(args.target, args.max_len)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     name = args.served_model_name or target_label(args.target)
-    common = (session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name)
-    if max_batch > 1:
-        return BatchWorker(*common, max_batch=max_batch)
-    return DecodeWorker(*common)
+    return DecodeWorker(
+        session, drafter, args.head, tree, args.queue_size, args.timeout, args.max_tokens, name, max_batch
+    )

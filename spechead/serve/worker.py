@@ -1,7 +1,9 @@
-"""The one decoding thread and its bounded FIFO queue: decoding is batch 1, so a request waits its turn,
-a full queue is refused at once (503 with Retry-After) instead of piling up latency, and a request whose
-client went away is dropped from the queue or stopped after the running verification round. The worker
-hands text deltas to the request's asyncio handler through the loop, never blocking on it."""
+"""The one decoding thread and its bounded FIFO queue. Up to ``max_batch`` requests decode together in one
+``Decoder`` (``--max-batch 1``: one at a time, the same worker): a request joins at the next round with a free
+lane, until then it waits in the queue; a full queue is refused at once (503 with Retry-After) instead of piling
+up latency. Its text streams as each round commits tokens, and a request that is cancelled, disconnects, times
+out or meets a stop string leaves at the next round, which frees its lane for the next in line. The worker hands
+text deltas to the request's asyncio handler through the loop, never blocking on it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from spechead.decoding.decoder import Decoder, GenerationResult, tau_of
+from spechead.decoding.decoder import Decoder, Event, GenerationResult, tau_of
 from spechead.decoding.session import AUTO_TREE, Session
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
@@ -25,11 +27,11 @@ from spechead.model.tokenizer import encode_text
 from spechead.serve.metrics import Metrics
 from spechead.serve.schema import ApiError, Params
 from spechead.serve.stream import TextStream
-from spechead.tuning.tune import cached
 
 log = logging.getLogger("spechead.serve")
 
-MAX_CACHED_DECODERS = 4
+MAX_CACHED_HEADS = 4  # stateless heads other than the default kept built, least recently used dropped
+MAX_BATCH = 64  # a server's KV cache holds max_len positions for every lane (64 x 2048 x 30 layers: 3.6 GB, demo)
 
 
 @dataclass
@@ -69,8 +71,20 @@ class Job:
             pass
 
 
+
+@dataclass
+class _Live:
+    """A request in the decoder: its job, text stream and tokens so far."""
+
+    job: Job
+    text: TextStream
+    started: float
+    tokens: list[int] = field(default_factory=list)
+    stopped_by_text: bool = False
+
+
 class DecodeWorker:
-    """Owns the target, drafter and per-head decoders, the bounded queue and the worker thread."""
+    """Owns the decoder (target, drafter, default head and tree), the bounded queue and the worker thread."""
 
     def __init__(
         self,
@@ -82,20 +96,21 @@ class DecodeWorker:
         timeout: float = 300.0,
         max_tokens: int = 512,
         model_name: str = DEMO_NAME,
+        max_batch: int = 1,
     ) -> None:
-        self.check_limits(queue_size, timeout, max_tokens)
-        self.session, self.drafter, self.tree = session, drafter, tree
+        self.check_limits(queue_size, timeout, max_tokens, max_batch)
+        self.session, self.drafter, self.tree, self.capacity = session, drafter, tree, max_batch
         self.default_head, self.queue_size, self.timeout = head, queue_size, timeout
         self.max_tokens, self.model_name, self.created = max_tokens, model_name, int(time.time())
         self.metrics = Metrics()
         self._tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
-        self._decoders: OrderedDict[str, Decoder] = OrderedDict()
+        # a bad --head fails at startup, not on the first request
+        self.decoder: Decoder = session.decoder(drafter, head, AUTO_TREE if tree is None else tree, max_batch=max_batch)
+        self._heads: OrderedDict[str, DraftHead] = OrderedDict()
         self._heads_ok: set[str] = set()  # head specs check_head built once
-        self._default_tree: TreeConfig | None = None  # the default head's: other heads' tree when not tuned
-        self._decoder(head)  # a bad --head fails at startup, not on the first request
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._live: dict[int, _Live] = {}
         self._taken = 0  # requests the worker has taken up, for Outcome.seq
         self._closed = False
         self._service_s = 1.0  # moving average of a request's time in the decoder, for Retry-After
@@ -103,13 +118,15 @@ class DecodeWorker:
         self._thread.start()
 
     @staticmethod
-    def check_limits(queue_size: int, timeout: float, max_tokens: int) -> None:
+    def check_limits(queue_size: int, timeout: float, max_tokens: int, max_batch: int = 1) -> None:
         """The queue and per-request limits, checked before anything loads (``build_worker``) and here."""
         if queue_size < 0 or not timeout > 0 or max_tokens < 1:
             raise SpecheadError(
                 "need --queue-size >= 0, --timeout > 0 and --max-tokens >= 1, "
                 f"got {queue_size}, {timeout:g} and {max_tokens}"
             )
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise SpecheadError(f"--max-batch must be in [1, {MAX_BATCH}], got {max_batch}")
 
     # -- tokenizer ------------------------------------------------------------------------------
     def encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
@@ -150,15 +167,13 @@ class DecodeWorker:
         return len(self._waiting)
 
     @property
-    def busy(self) -> bool:
-        return self.decoding > 0
-
-    capacity = 1  # requests decoded at once
+    def decoding(self) -> int:
+        """Requests being decoded now (up to ``max_batch``)."""
+        return len(self._live)
 
     @property
-    def decoding(self) -> int:
-        """Requests being decoded now (one here; up to ``--max-batch`` in ``BatchWorker``)."""
-        return int(self._running is not None)
+    def busy(self) -> bool:
+        return self.decoding > 0
 
     @property
     def alive(self) -> bool:
@@ -183,8 +198,8 @@ class DecodeWorker:
             self._cv.notify_all()
 
     def cancel(self, job: Job, disconnected: bool = True) -> None:
-        """Drop a job: out of the queue at once, or stopped after the running round. Its handler
-        gets a terminal event so that nothing waits for a job that will never finish."""
+        """Drop a job: out of the queue at once, or stopped at the next round. Its handler gets a terminal event
+        so that nothing waits for a job that will never finish."""
         with self._cv:
             if job.done or job.cancelled.is_set():
                 return
@@ -199,47 +214,14 @@ class DecodeWorker:
     def close(self, wait: float = 10.0) -> None:
         with self._cv:
             self._closed = True
-            for job in self._waiting:
+            for job in (*self._waiting, *(live.job for live in self._live.values())):
                 job.cancelled.set()
                 job.emit("error", ApiError(503, "the server is shutting down", code="shutting_down"))
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancelled.set()
             self._cv.notify_all()
         self._thread.join(wait)
 
-    def _next(self) -> Job | None:
-        with self._cv:
-            while not self._waiting and not self._closed:
-                self._cv.wait()
-            if self._closed:
-                return None
-            self._running = job = self._waiting.popleft()
-            job.seq, self._taken = self._taken, self._taken + 1
-            self.metrics.waiting.set(len(self._waiting))
-            return job
-
-    def _work(self) -> None:
-        while (job := self._next()) is not None:
-            t0 = time.monotonic()
-            self.metrics.busy.set(1)
-            try:
-                self._run(job)
-            except ApiError as e:
-                job.emit("error", e)
-            except SpecheadError as e:
-                job.emit("error", ApiError(400, str(e)))
-            except Exception as e:  # never let one request take the worker down
-                log.exception("request failed")
-                job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}"))
-            finally:
-                self.metrics.busy.set(0)
-                with self._cv:
-                    job.done = True
-                    self._running = None
-                    self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t0)
-
-    # -- decoding -------------------------------------------------------------------------------
+    # -- heads ----------------------------------------------------------------------------------
     def check_head(self, spec: str) -> None:
         """Build a request's head once, before its response starts (a streamed one could only report a bad
         argument as an event after a 200): the name and options are checked by ``parse_params``, but only
@@ -257,74 +239,133 @@ class DecodeWorker:
         except Exception as e:  # the head spec is user input: a bad argument is the request's fault
             raise ApiError(400, f"cannot build draft head {spec!r}: {type(e).__name__}: {e}", "head") from e
 
-    def _decoder(self, head: str) -> Decoder:
-        """Decoders per head spec, least recently used dropped; all share the target and its KV cache,
-        which is safe because only the worker thread decodes, one request at a time."""
-        if head in self._decoders:
-            self._decoders.move_to_end(head)
-            return self._decoders[head]
-        tree = self.tree
-        if tree == AUTO_TREE and self._default_tree is not None:  # not the default head (tuned at startup):
-            tuned = cached(self.session, self.drafter, head)  # its tuning if cached, else the default head's tree
-            tree = AUTO_TREE if tuned is not None else self._default_tree
-        dec = self.session.decoder(self.drafter, head, tree)
-        if self._default_tree is None:
-            self._default_tree = dec.tree
-        self._decoders[head] = dec
-        while len(self._decoders) > MAX_CACHED_DECODERS:
-            self._decoders.popitem(last=False)
-        return dec
+    def _request_head(self, spec: str) -> DraftHead | None:
+        """None: the decoder's default head; a stateless head is built once and shared, a stateful one per
+        request (a request holds its own reference, so eviction never touches one in flight)."""
+        if spec == self.default_head:
+            return None
+        if spec in self._heads:
+            self._heads.move_to_end(spec)
+            return self._heads[spec]
+        head = self.build_head(spec)
+        if not head.per_round:
+            self._heads[spec] = head
+            while len(self._heads) > MAX_CACHED_HEADS:
+                self._heads.popitem(last=False)
+        return head
 
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return
-        p, m = job.params, self.metrics
-        m.queue_wait.observe(time.monotonic() - job.arrival)
+    # -- the loop -------------------------------------------------------------------------------
+    def _admit(self) -> list[Job]:
+        """Wait for work; take waiting jobs up while lanes are free. Returns them (empty: nothing new)."""
+        with self._cv:
+            while not self._waiting and not self._live and not self._closed:
+                self._cv.wait()
+            taken = []
+            while self._waiting and len(self._live) + len(taken) < self.capacity and not self._closed:
+                job = self._waiting.popleft()
+                job.seq, self._taken = self._taken, self._taken + 1
+                taken.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            return taken
+
+    def _start(self, job: Job) -> None:
+        """Submit a job taken up to the decoder (a bad argument answers it at once)."""
+        p = job.params
         try:
-            dec = self._decoder(p.head)
-        except Exception as e:  # the head spec is user input: a bad argument is the request's fault
-            raise ApiError(400, f"cannot build draft head {p.head!r}: {type(e).__name__}: {e}", "head") from e
-        text = TextStream(self.decode, p.stop)
-        tokens: list[int] = []
-        chunks = 0
-        result: GenerationResult | None = None
-        t0, prefill_s = time.perf_counter(), 0.0
-        gen = dec.stream(p.prompt_ids, p.max_tokens, p.sampling, speculative=True)
-        try:
-            for item in gen:
-                if isinstance(item, GenerationResult):
-                    result = item
-                    break
-                if not chunks:  # the first chunk is the prefill's token
-                    prefill_s = time.perf_counter() - t0
-                tokens += item
-                chunks += 1
-                piece = text.push(tokens)
-                if piece:
-                    job.emit("text", piece)
-                if text.stopped or job.cancelled.is_set():
-                    break
-        finally:
-            gen.close()  # frees the decoder at once when we stop early
-        decode_s = time.perf_counter() - t0
-        m.prompt_tokens.inc(len(p.prompt_ids))
-        m.prefill_seconds.inc(result.prefill_s if result is not None else prefill_s)
-        m.generation_tokens.inc(len(tokens))  # work done, even for a request cancelled half-way
-        if job.cancelled.is_set():
+            rid = self.decoder.submit(p.prompt_ids, p.max_tokens, p.sampling, head=self._request_head(p.head))
+        except ApiError as e:
+            job.emit("error", e)
             return
-        piece = text.finish(tokens)
+        except SpecheadError as e:
+            job.emit("error", ApiError(400, str(e)))
+            return
+        self.metrics.queue_wait.observe(time.monotonic() - job.arrival)
+        with self._cv:
+            self._live[rid] = _Live(job, TextStream(self.decode, p.stop), time.perf_counter())
+
+    def _work(self) -> None:
+        dec, m = self.decoder, self.metrics
+        while not self._closed:
+            for job in self._admit():
+                if not job.cancelled.is_set():
+                    self._start(job)
+                else:
+                    job.done = True
+            for rid, live in list(self._live.items()):
+                if live.job.cancelled.is_set():
+                    dec.cancel(rid)
+            if not dec.busy:
+                continue
+            m.busy.set(1)
+            try:
+                events = dec.step()
+            except Exception as e:  # never let one round take the worker down: fail what was in it
+                log.exception("round failed")
+                for rid, live in list(self._live.items()):
+                    dec.cancel(rid)
+                    live.job.emit("error", ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+                dec.step()  # drops the cancelled requests
+                self._release(list(self._live))
+                continue
+            if dec.last_round:  # (a step that only dropped cancelled requests ran no round)
+                m.batch_occupancy.set(dec.last_round)
+                m.batch_rounds.inc()
+                m.batch_request_rounds.inc(dec.last_round)
+            for event in events:
+                self._on_event(event)
+            m.busy.set(int(dec.busy))
+
+    def _release(self, rids: list[int]) -> None:
+        with self._cv:
+            for rid in rids:
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    live.job.done = True
+
+    def _on_event(self, event: Event) -> None:
+        live = self._live.get(event.rid)
+        if live is None:
+            return
+        job, m = live.job, self.metrics
+        live.tokens += event.tokens
+        if not job.cancelled.is_set() and not live.stopped_by_text and event.tokens:
+            piece = live.text.push(live.tokens)
+            if piece:
+                job.emit("text", piece)
+            if live.text.stopped:  # a stop string: the request leaves at the next round, answered now
+                live.stopped_by_text = True
+                if event.result is None:  # answered before the decoder's result: the rounds it ran so far
+                    self._finish(live, "stop", None, self.decoder.accept_lengths_so_far(event.rid))
+                else:  # the same round ended the request
+                    self._finish(live, "stop", event.result)
+                self.decoder.cancel(event.rid)
+        if event.result is None:
+            return
+        self._release([event.rid])
+        m.prompt_tokens.inc(event.result.prompt_len)
+        m.prefill_seconds.inc(event.result.prefill_s)
+        m.generation_tokens.inc(len(live.tokens))  # work done, even for a request cancelled half-way
+        if job.cancelled.is_set() or live.stopped_by_text:
+            return
+        self._finish(live, "stop" if event.result.stop_reason == "stop_token" else "length", event.result)
+
+    def _finish(self, live: _Live, reason: str, result: GenerationResult | None, accepted: list[int] = ()) -> None:
+        """Answer a request: from the decoder's ``result``, or (None) from its rounds' ``accepted`` lengths."""
+        job, m = live.job, self.metrics
+        piece = live.text.finish(live.tokens)
         if piece:
             job.emit("text", piece)
-        if result is not None:
-            tau, stats = result.tau, result.head_stats
-        else:  # stopped early (a stop string): the speculative rounds so far, as GenerationResult.tau counts them
-            tau, stats = tau_of(dec.accept_lengths_so_far), dec.head.stats()
-        finish = "stop" if text.stopped or (result and result.stop_reason == "stop_token") else "length"
-        out = Outcome(job.seq, finish, len(p.prompt_ids), len(tokens), tau, decode_s, dict(stats))
+        decode_s = time.perf_counter() - live.started
+        with self._cv:  # Retry-After: capacity requests decode at once, each for about this long
+            self._service_s = 0.8 * self._service_s + 0.2 * decode_s
+        tau = result.tau if result is not None else tau_of(list(accepted))
+        stats = dict(result.head_stats) if result is not None else {}
+        out = Outcome(job.seq, reason, len(job.params.prompt_ids), len(live.tokens), tau, decode_s, stats)
         m.tokens_per_s.set(out.completion_tokens / max(decode_s, 1e-9))
-        m.tau.labels(p.head).set(tau)
+        m.tau.labels(job.params.head).set(tau)
         m.tau_summary.observe(tau)
+        m.request_tokens_per_s.observe(out.completion_tokens / max(decode_s, 1e-9))
         if "active_size" in stats:
-            m.active_vocab.labels(p.head).set(stats["active_size"])
+            m.active_vocab.labels(job.params.head).set(stats["active_size"])
         m.latency.observe(time.monotonic() - job.arrival)
         job.emit("done", out)

@@ -228,7 +228,7 @@ def generate_data(
     A base model (no chat template) continues the prompt in the completion format
     (``model.tokenizer.completion_text``) and its records are ``{"prompt", "completion"}``.
 
-    ``engine="spechead"``: spechead's batched decoder (``decoding.batch``, continuous batching:
+    ``engine="spechead"``: spechead's batched decoder (``decoding.decoder``, continuous batching:
     ``batch_size`` requests in flight, a finished one's lane taken by the next prompt at once), so a
     greedy reply is exactly what the target says at inference, token for token, in the precision it
     runs in; sampled replies draw from per-prompt seeded streams. ``engine="transformers"``:
@@ -369,7 +369,7 @@ def _engine_replies(target, dtype, prompts, batch_size, max_new, temperature, se
     from spechead.decoding.session import Session
 
     session = Session.open(target, max_len=max(len(p) for p in prompts) + max_new + 1, dtype=getattr(torch, dtype))
-    decoder = session.batch_decoder(max_batch=batch_size)
+    decoder = session.decoder(max_batch=batch_size)
     index_of: dict[int, int] = {}
     results: dict[int, list[int]] = {}
     submitted, emitted = 0, 0
