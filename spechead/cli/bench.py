@@ -1,8 +1,8 @@
 """``spechead bench``: the command line of the end-to-end benchmark (:mod:`spechead.bench.harness`).
 
 Where the data lives is decided here, not in the library: named suites are read from ``--eval-dir``
-(default: ``$SPECHEAD_EVAL_DIR``, else ``shared/data/eval`` next to the checkout, as before) and the 8B
-projection uses ``--heads-json`` (default: the checkout's ``results/heads/llama3.1-8b_bf16_t1.json``).
+(default: ``$SPECHEAD_EVAL_DIR``, else ``shared/data/eval`` next to the checkout), and the 8B projection runs
+when ``--heads-json`` names a ``spechead bench-heads`` result.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from spechead.errors import SpecheadError
 from spechead.tuning.tune import open_session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (its sibling shared/ holds the data)
-HEADS_JSON = Path("results") / "heads" / "llama3.1-8b_bf16_t1.json"
 
 
 def default_eval_dir() -> Path:
@@ -48,11 +47,6 @@ def default_eval_dir() -> Path:
         Path.cwd().parent / "shared" / "data" / "eval",
     ]
     return next((c for c in candidates if any((c / f).is_file() for f in SUITES.values())), candidates[0])
-
-
-def default_heads_json() -> Path:
-    """The head benchmark the README's projection uses (missing: no projection)."""
-    return REPO_ROOT / HEADS_JSON
 
 
 def add_eval_dir(p: argparse.ArgumentParser) -> None:
@@ -182,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     session = open_session(args.target, args.max_len, compile=args.compile)
     drafters = {"arch": args.arch}  # --eagle3-drafter / --lowrank-drafter default to --drafter
     drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
-    heads_json = Path(args.heads_json) if args.heads_json else default_heads_json()
+    heads_json = Path(args.heads_json) if args.heads_json else None
     out = run_bench(
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
         progress=not args.quiet, warmup=args.warmup, drafters=drafters, heads_json=heads_json,
@@ -231,7 +225,7 @@ def add_cli(sub) -> None:
     b.add_argument(
         "--heads-json",
         default=None,
-        help=f"head benchmark JSON for the 8B projection (default: {HEADS_JSON}, if there)",
+        help="a `spechead bench-heads` JSON with the llama3.1-8b shape: project the speedups to Llama-3.1-8B",
     )
     b.add_argument("--max-new-tokens", type=int, default=64)
     add_max_len(b)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from spechead import kernels
-from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, gemm_variants, issue_bars
+from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, cpu_bars, gemm_variants
 from spechead.cli.args import add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
@@ -109,7 +109,7 @@ def cmd_bench_heads(args) -> int:
                     for name, v in row["variants"].items():
                         print(f"    {name:<42}{v['ms']:>9.2f} ms {v['x_floor']:>7.2f}x floor {v['GFLOPs']:>7.1f} GF/s")
     report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    bars = issue_bars(report)
+    bars = cpu_bars(report)
     if bars:
         report["bars"] = bars
         for name, b in bars.items():

@@ -178,13 +178,13 @@ class NanoSpecHead(DraftHead):
         prompt_ids = prompt_ids.to(device=self.device, dtype=torch.long).flatten()
         n = prompt_ids.numel()
         if prompt_logits is not None and not 0 < prompt_logits.shape[0] <= n:
-            # the last rows (those prompt_logit_rows asked for, or all); never stale extra rows (the reference's B1)
+            # the last rows (those prompt_logit_rows asked for, or all); never rows past the prompt
             raise ValueError(f"prompt_logits has {prompt_logits.shape[0]} rows for {n} prompt ids")
 
         def ctx() -> None:
             parts = [prompt_ids.flip(0)]  # most recent first
             if prompt_logits is not None and self.ctx_topk > 0:
-                # the target's next-token guesses at every real prompt row (never stale rows: bug B1)
+                # the target's next-token guesses at the given prompt rows
                 top = fast_topk(prompt_logits, min(self.ctx_topk, prompt_logits.shape[-1]))[1].flip(0).T
                 parts = [top[0], parts[0], *top[1:]]  # top-1 guesses rank first under the overflow policy
             self._append(torch.cat(parts))

@@ -78,8 +78,8 @@ def target_label(name: str) -> str:
 @contextmanager
 def _one_gguf_parse() -> Iterator[None]:
     """transformers parses a GGUF file three times in a conversion (tokenizer, config, weights), each parse
-    walking every vocabulary entry in Python: minutes apiece for Gemma 3's 262,144 tokens on a 2-core CPU. The
-    reader is read-only (a memory map), so the three share one."""
+    walking every vocabulary entry in Python, which takes minutes for a 262k vocabulary. The reader is read-only
+    (a memory map), so the three share one."""
     import gguf
 
     original, readers = gguf.GGUFReader, {}

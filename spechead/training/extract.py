@@ -52,7 +52,7 @@ def extract_to(
 ) -> Transformer:
     """Extract the features of ``data`` (examples cut to the target's context) into ``features``; returns the
     loaded target, so ``train-drafter --data`` trains on it without loading it again. ``dtype="bfloat16"`` runs
-    the target in bf16 (about 3x faster where the CPU has bf16 matrix units; the features are stored in bf16
+    the target in bf16 (faster where the CPU has bf16 matrix units; the features are stored in bf16
     either way, and the returned target is then bf16 too). On a GPU ``device`` the target runs there and the chunks
     are written from host memory as on a CPU: several drafters then train from one computation of the states, where
     ``--online`` would compute them once per training run."""

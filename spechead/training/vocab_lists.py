@@ -154,7 +154,7 @@ def drafter_head_inputs(target, drafter, seq: Tensor, P: int) -> Tensor:
 def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_tokens: int, topk: int, max_prompt: int):
     """VocabTrim calibration: the target writes a reply to each prompt (greedy; the speculative path
     with the full head gives the target's exact output, faster), then the drafter reads prompt + reply
-    the way the engine feeds it and we count its top-k proposals at every reply position.
+    the way the engine feeds it, counting its top-k proposals at every reply position.
 
     Returns (proposal counts [V], summed draft probability [V], reply positions checked, positions
     whose true next token was among the drafter's top-k).

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.model.tokenizer import has_chat_template
-from spechead.tuning.costs import MAX_ROWS, Recorder, drop_new_packs, measure_costs, packs
+from spechead.tuning.costs import MAX_ROWS, Recorder, measure_costs
 from spechead.tuning.predict import (
     LOOKUPS,
     SHAPES,
@@ -53,8 +53,8 @@ CALIBRATION = (
     ),
 )
 # A base model (no chat template) is tuned on what it is used for, text to continue: asked the chat prompts above
-# as raw text it rambles (tau 1.5-2.2 with Gemma 3 270M's drafter on chat, code and summarization, 3.7 on the
-# benchmark), and a tuner that sees that picks trees too small for real completions.
+# as raw text it rambles, its drafter's acceptance drops, and a tuner that sees that picks trees too small for real
+# completions.
 CALIBRATION_COMPLETION = (
     (
         "code",
@@ -75,16 +75,15 @@ CALIBRATION_COMPLETION = (
         "before a final vote.\n\nSummary:",
     ),
 )
-# per calibration prompt (with 32, two passes over the candidates ended past a minute for the demo on a 2-core Zen 3)
+# per calibration prompt: enough for acceptance to settle, few enough for two passes over the candidates in the budget
 NEW_TOKENS = 24
 MIN_TOKENS = 12  # what a slow machine still decodes per prompt (fewer when asked for fewer)
 BUDGET_S = 45.0  # no acceptance pass that would end past this many seconds of tuning; gather adds ~4 runs
-# ...or, for a slower target, past this many of its AR steps (45 s is 1,800 of the demo's 25 ms steps): one pass of
-# every candidate over one prompt is a noisy sample, and Gemma 3 270M's 40 ms steps left time for no second one
+# ...or, for a slower target, past this many of its AR steps (BUDGET_S of 25-ms steps): one pass of every candidate
+# over one prompt is a noisy sample, so a slower target gets the time for a second one
 BUDGET_STEPS = 1800
-# ...but never past this: a first use must stay under a minute (issue 12), and on a 2-core AMD EPYC Zen 3 the demo's
-# 38 ms steps made the step budget 68 s and a tuning 66 s. Past it, a slow target's candidates are pruned to the
-# best few after the first prompt instead of the second (``prune``)
+# ...but never past this, so that a first use stays under a minute. Past it, a slow target's candidates are pruned to
+# the best few after the first prompt instead of the second (``prune``)
 CAP_S = 48.0
 MIN_PASSES = 2  # prompts every candidate decodes before any is dropped for predicting too little (budget allowing)
 AR_PROMPTS = 2
@@ -173,7 +172,7 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
     steps += 2 * min(GATHER_PROMPTS, len(prompts)) if gather else 0
     bar = tqdm(total=steps, desc="tune", unit="step", file=sys.stderr, disable=not progress, leave=False)
     rec = Recorder(target, drafter)
-    before, drafter_len = packs(target), drafter.max_len
+    drafter_len = drafter.max_len
     try:
 
         def tick(what: str) -> None:
@@ -199,11 +198,8 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
 
         def make_decoder(c: dict[str, Any], head_obj=main_head):
             tree = TreeConfig.parse(c["tree"])
-            if current.get("rows") != tree.max_rows:
-                current.clear()
-                drop_new_packs(target, before)
             if current.get("tree") != tree or current.get("head") is not head_obj:
-                current.update(tree=tree, head=head_obj, rows=tree.max_rows)
+                current.update(tree=tree, head=head_obj)
                 current["dec"] = Decoder(target, drafter, head_obj, tree, max_len, stop_ids)
             return current["dec"]
 
@@ -219,7 +215,7 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
         fit = int(0.5 * budget_s / (len(grid) * ar_step_ms / 1e3))
         new_tokens = max(min(new_tokens, MIN_TOKENS), min(new_tokens, fit))
 
-        def live() -> list[dict[str, Any]]:  # by verification size: consecutive decoders share a weight layout
+        def live() -> list[dict[str, Any]]:  # in order of verification size
             return sorted((c for c in cands if c["dropped_after"] is None), key=lambda c: c["max_rows"])
 
         passes = 0
@@ -276,7 +272,6 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
     finally:
         rec.close()
         bar.close()
-        drop_new_packs(target, before)
         if drafter_len:  # the tuning's decoders resized the drafter's cache: back to what its decoders expect
             drafter.setup_cache(drafter_len)
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spechead import kernels
 from spechead.errors import SpecheadError
 
 MAX_ROWS = 16  # the largest verification the tuner considers
@@ -35,24 +34,6 @@ def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> 
         _sync(device)
 
     return median_ms(run, repeats)
-
-
-def packs(target) -> dict[int, set[int]]:
-    """The row counts each prepacked linear holds a packing for (to drop the ones tuning adds)."""
-    from spechead.kernels.linear import PackedLinear
-
-    return {id(m): set(m.packed) for m in target.modules() if isinstance(m, PackedLinear)}
-
-
-def drop_new_packs(target, before: dict[int, set[int]]) -> None:
-    """Forget MKL weight packings made for other row counts while tuning (each is a copy of the weights)."""
-    from spechead.kernels.linear import PackedLinear
-
-    for m in target.modules():
-        if isinstance(m, PackedLinear):
-            keep = before.get(id(m), set())
-            for rows in [r for r in m.packed if r not in keep]:
-                del m.packed[rows]
 
 
 class Recorder:
@@ -94,7 +75,6 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
     x = torch.tensor(ids, dtype=torch.long, device=dev)
     p = x.numel()
     drafter.setup_cache(session.max_len + 64)
-    before = packs(target)
     target.prepack(1)
     drafter.prepack(1)  # as the decoders lay it out
     pre = target(x, 0, want_aux=want_aux)
@@ -116,34 +96,23 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
         return lambda: target(toks, p, positions=pos, mask=mask, want_aux=want_aux).logits.argmax(-1)
 
     step = lambda: target(one, p).logits.argmax(-1)  # noqa: E731
-    if kernels.supports(target.lm_head.weight):
-        # one layout serves every row count: time the step and the 16 verifications in turn, sweep after sweep, so
-        # that a shared host's drift (1.3x between seconds on a VM) falls on all alike. Timed one size after the
-        # other, a fast second made 6-11 rows cheaper than the step (AMD EPYC Zen 4) and the tuner a deep tree.
-        target.prepack(MAX_ROWS)
-        fns = {0: step} | {n: verify_fn(n) for n in range(1, MAX_ROWS + 1)}
-        times: dict[int, list[float]] = {n: [] for n in fns}
-        for sweep in range(SWEEPS + 1):
-            for n, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                _sync(dev)
-                if sweep:  # the first sweep warms up
-                    times[n].append(1e3 * (time.perf_counter() - t0))
-                if sweep == SWEEPS:  # as many ticks as the other path
-                    tick(f"verify {n}" if n else "target step")
-        ms = {n: statistics.median(v) for n, v in times.items()}
-        costs["target_step_ms"] = ms.pop(0)
-        costs["verify_ms"] = ms
-    else:  # MKL packs per row count, each a copy of the weights: one size at a time, its packing dropped after
-        costs["target_step_ms"] = _median_ms(step, 5, dev)
-        tick("target step")
-        costs["verify_ms"] = {}
-        for n in range(1, MAX_ROWS + 1):
-            target.prepack(n)
-            costs["verify_ms"][n] = _median_ms(verify_fn(n), 3, dev)
-            drop_new_packs(target, before)
-            tick(f"verify {n}")
+    # the step and the 16 verifications in turn, sweep after sweep, so that a shared host's drift falls on all
+    # alike (timed one size after the other, a fast second can make several rows look cheaper than the step, and
+    # the tuner pick too deep a tree)
+    fns = {0: step} | {n: verify_fn(n) for n in range(1, MAX_ROWS + 1)}
+    times: dict[int, list[float]] = {n: [] for n in fns}
+    for sweep in range(SWEEPS + 1):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            if sweep:  # the first sweep warms up
+                times[n].append(1e3 * (time.perf_counter() - t0))
+            if sweep == SWEEPS:
+                tick(f"verify {n}" if n else "target step")
+    ms = {n: statistics.median(v) for n, v in times.items()}
+    costs["target_step_ms"] = ms.pop(0)
+    costs["verify_ms"] = ms
     costs["drafter_ms"] = {}
     for n in range(1, DRAFTER_ROWS + 1):
         toks, f, pos = cyc(x, n), cyc(feats, n), torch.arange(p, p + n, device=dev)

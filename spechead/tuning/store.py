@@ -19,9 +19,8 @@ import torch
 from spechead.cache import cache_dir
 from spechead.errors import say_once
 
-# 2: base models calibrate on text to continue; NanoSpec reads ctx_rows=auto prompt rows; 3: at most 64 of them, and
-# the step and the verifications timed in interleaved sweeps; 4: the drafter laid out for the kernel (its passes cost
-# about half what they did, which moves the best tree)
+# part of every cache key: raised whenever what a tuning measures or how the engine runs changes its costs, so that
+# older cached tunings are measured again rather than read
 TUNE_VERSION = 4
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 

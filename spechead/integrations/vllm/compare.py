@@ -1,6 +1,6 @@
 """The same drafter and head in vLLM and in spechead's own engine, on the same token-id prompts.
 
-Used by the integration test (tests/test_vllm_plugin.py) and the measurement (results/vllm/bench.py). A method
+Used by the integration test (tests/test_vllm_plugin.py) and the vLLM benchmark scripts. A method
 is a shipped EAGLE-3 or EAGLE-2 drafter plus a spechead head spec; ``vllm_config`` turns it into vLLM's
 ``speculative_config`` (the plugin's folder, written by ``spechead export --format vllm`` and cached), and
 ``spechead_run`` decodes it with spechead's ``Decoder`` in a chain of the same length, without the never-slower

@@ -8,8 +8,8 @@ engine runs in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the plugi
 
 A job is a JSON dict: ``target`` (a transformers folder), ``prompts`` (lists of token ids), ``batches`` (e.g.
 [1, 8]: requests per ``generate`` call), ``max_tokens``, ``speculative_config`` (None for AR), ``enforce_eager``,
-``repeats`` (passes over the prompts per batch size: tok/s is their median; a batch-8 pass of the demo's 8 x 80
-tokens lasts ~5 s, so one pass alone moved the ratios to AR by up to 10 %).
+``repeats`` (passes over the prompts per batch size: tok/s is their median, since one short pass alone is too
+noisy to compare engines by).
 """
 
 from __future__ import annotations
