@@ -39,11 +39,11 @@ def main() -> int:
     drafter = resolve_drafter("demo", session.target) if methods != ["ar"] else None
     for b in [int(x) for x in args.batches.split(",")]:
         for m in methods:
-            dec = session.batch_decoder(max_batch=b) if m == "ar" else session.batch_decoder(drafter, m, "auto", b)
-            dec.generate(ids[:b], 8)
+            dec = session.decoder(max_batch=b) if m == "ar" else session.decoder(drafter, m, "auto", max_batch=b)
+            dec.generate_batch(ids[:b], 8)
             dec.timers.reset()
             t0 = time.perf_counter()
-            res = dec.generate(ids, 64)
+            res = dec.generate_batch(ids, 64)
             wall = time.perf_counter() - t0
             new = sum(len(r.tokens) for r in res)
             parts = ", ".join(f"{k} {v / 1e3:.2f} s / {dec.timers.calls[k]} calls" for k, v in dec.timers.ms.items())

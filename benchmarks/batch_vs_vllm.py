@@ -36,13 +36,13 @@ from vllm_bench import prompts  # noqa: E402  (beside this script: the prompt se
 def spechead_batched(session: Session, ids: list[list[int]], batch: int, method: str, max_new: int) -> dict:
     """One method on the batched decoder (``ar`` or ``HEAD[@TREE]`` on the shipped EAGLE-2 drafter)."""
     if method == "ar":
-        dec = session.batch_decoder(max_batch=batch)
+        dec = session.decoder(max_batch=batch)
     else:
         head, _, tree = method.partition("@")
-        dec = session.batch_decoder(resolve_drafter("demo", session.target), head, tree or "auto", batch)
-    dec.generate(ids[:batch], 8)
+        dec = session.decoder(resolve_drafter("demo", session.target), head, tree or "auto", max_batch=batch)
+    dec.generate_batch(ids[:batch], 8)
     t0 = time.perf_counter()
-    res = dec.generate(ids, max_new)
+    res = dec.generate_batch(ids, max_new)
     wall = time.perf_counter() - t0
     new = sum(len(r.tokens) for r in res)
     spec = [r for r in res if r.accept_lengths]
