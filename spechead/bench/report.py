@@ -204,8 +204,8 @@ def _f(x: Any, fmt: str = ".2f") -> str:
     return format(x, fmt) if _finite(x) else "-"
 
 
-def markdown(out: dict[str, Any], images: list[str]) -> str:
-    cfg = out["config"]
+def _header(cfg: dict[str, Any]) -> list[str]:
+    """The run's title, flags and setup (prompts, machine, models, command)."""
     lines = ["# spechead bench report", ""]
     if cfg.get("note"):
         lines += [f"**{cfg['note']}**", ""]
@@ -222,7 +222,12 @@ def markdown(out: dict[str, Any], images: list[str]) -> str:
         lines.append(f"- command: `{cfg['command']}`")
     if cfg.get("skipped"):
         lines.append(f"- skipped methods: {cfg['skipped']}")
-    lines += [
+    return lines
+
+
+def _overall(out: dict[str, Any]) -> list[str]:
+    """One row per method: speed, tau, speedups, mismatches, per-round phases and the head's set."""
+    lines = [
         "",
         "## Overall",
         "",
@@ -239,75 +244,96 @@ def markdown(out: dict[str, Any], images: list[str]) -> str:
             f"| {_f(hs.get('active_mean', hs.get('active_size')), '.0f')} | {_f(hs.get('coverage'), '.3f')} "
             f"| {_f(m['extra_bytes'] / 2**20, '.1f') if 'extra_bytes' in m else '-'} |"
         )
+    return lines
+
+
+def _per_category(out: dict[str, Any], cats: list[str]) -> list[str]:
+    """Tokens/s, tau and (for heads with an active set) set size / coverage, per category."""
+    head_row = ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+    lines = ["", "## Tokens/s per category (speedup vs ar in parentheses)", "", *head_row]
+    for name, m in out["methods"].items():
+        pc = m["per_category"]
+        cells = [f"{_f(pc[c]['tokens_per_s'])} ({_f(pc[c].get('speedup_vs_ar'))}x)" if c in pc else "-" for c in cats]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## tau per category", "", *head_row]
+    for name, m in out["methods"].items():
+        pc = m["per_category"]
+        lines.append(f"| {name} | " + " | ".join(_f(pc[c]["tau"]) if c in pc else "-" for c in cats) + " |")
+    vocab = [n for n, m in out["methods"].items() if "coverage" in m.get("head_stats", {})]
+    if vocab:
+        lines += ["", "## Active vocabulary per category: mean active size / coverage of committed tokens", ""]
+        lines += head_row
+        for name in vocab:
+            pc = out["methods"][name]["per_category"]
+            cells = []
+            for c in cats:
+                hs = pc.get(c, {}).get("head_stats", {})
+                size = hs.get("active_mean", hs.get("active_size"))
+                cells.append(f"{_f(size, '.0f')} / {_f(hs.get('coverage'), '.3f')}" if hs else "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _speedup_model(sm: dict[str, Any]) -> list[str]:
+    """The speedup model's prediction against the measured speedup, per head method."""
+    kap = ", ".join(f"{k}: {_f(v, '.3f')}" for k, v in sm["kappa"].items())
+    lines = [
+        "",
+        "## Speedup model",
+        "",
+        f"kappa (full head time / rest of a round) {kap}. Predicted = rho_tau (1+kappa)/(1+nu kappa); measured = "
+        "pooled decode speed over the full-head run's (rho_tau x round-time ratio, a round's time being its share "
+        "of the decode time). `rest` is how much the non-head part of a round moved (the model assumes 1).",
+        "",
+        "| method | vs | nu | rho_tau | predicted | measured | error | rest |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in sm["methods"].items():
+        lines.append(
+            f"| {name} | {v['reference']} | {_f(v['nu'], '.3f')} | {_f(v['rho_tau'], '.3f')} "
+            f"| {_f(v['predicted'], '.3f')} | {_f(v['measured'], '.3f')} | {_f(v['error'] * 100, '+.1f')}% "
+            f"| {_f(v.get('rest_ratio'), '.2f')} |"
+        )
+    return lines
+
+
+def _projection(pj: dict[str, Any]) -> list[str]:
+    """The speedups projected to Llama-3.1-8B shapes from a head-benchmark file."""
+    rm = pj["round_ms"]
+    lines = [
+        "",
+        "## Projection at Llama-3.1-8B shapes",
+        "",
+        f"Head times from `{pj['source']}` ({pj.get('machine')}, {pj.get('threads')} thread(s), {pj['dtype']}); "
+        f"rest of a round from a roofline on the same machine figures: verification {_f(rm['verify'], '.0f')} ms, "
+        f"drafter backbone {_f(rm['backbone'], '.0f')} ms, full head {_f(rm['full_head'], '.0f')} ms per round, "
+        f"so kappa = {_f(pj['kappa'], '.3f')}; rho_tau and tau from this run. See docs/bench.md for the "
+        "assumptions.",
+        "",
+        "| method | head bench entry | head ms/round | nu | rho_tau | vs full head | vs ar |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in pj["methods"].items():
+        lines.append(
+            f"| {name} | {v['headbench']} | {_f(v['head_ms_per_round'], '.1f')} | {_f(v['nu'], '.3f')} "
+            f"| {_f(v['rho_tau'], '.3f')} | {_f(v['speedup_vs_full_head'], '.3f')} "
+            f"| {_f(v['speedup_vs_ar'], '.3f')} |"
+        )
+    return lines
+
+
+def markdown(out: dict[str, Any], images: list[str]) -> str:
+    """The report: setup, the overall table, per-category tables, the speedup model, the projection, the plots."""
+    lines = _header(out["config"]) + _overall(out)
     cats = _categories(out)
     if cats:
-        lines += ["", "## Tokens/s per category (speedup vs ar in parentheses)", ""]
-        lines += ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
-        for name, m in out["methods"].items():
-            pc = m["per_category"]
-            cells = [
-                f"{_f(pc[c]['tokens_per_s'])} ({_f(pc[c].get('speedup_vs_ar'))}x)" if c in pc else "-" for c in cats
-            ]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", "## tau per category", ""]
-        lines += ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
-        for name, m in out["methods"].items():
-            pc = m["per_category"]
-            lines.append(f"| {name} | " + " | ".join(_f(pc[c]["tau"]) if c in pc else "-" for c in cats) + " |")
-        vocab = [n for n, m in out["methods"].items() if "coverage" in m.get("head_stats", {})]
-        if vocab:
-            lines += ["", "## Active vocabulary per category: mean active size / coverage of committed tokens", ""]
-            lines += ["| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
-            for name in vocab:
-                pc = out["methods"][name]["per_category"]
-                cells = []
-                for c in cats:
-                    hs = pc.get(c, {}).get("head_stats", {})
-                    size = hs.get("active_mean", hs.get("active_size"))
-                    cells.append(f"{_f(size, '.0f')} / {_f(hs.get('coverage'), '.3f')}" if hs else "-")
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += _per_category(out, cats)
     sm = out.get("speedup_model", {})
     if sm.get("methods"):
-        kap = ", ".join(f"{k}: {_f(v, '.3f')}" for k, v in sm["kappa"].items())
-        lines += [
-            "",
-            "## Speedup model",
-            "",
-            f"kappa (full head time / rest of a round) {kap}. Predicted = rho_tau (1+kappa)/(1+nu kappa); measured = "
-            "pooled decode speed over the full-head run's (rho_tau x round-time ratio, a round's time being its share "
-            "of the decode time). `rest` is how much the non-head part of a round moved (the model assumes 1).",
-            "",
-            "| method | vs | nu | rho_tau | predicted | measured | error | rest |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, v in sm["methods"].items():
-            lines.append(
-                f"| {name} | {v['reference']} | {_f(v['nu'], '.3f')} | {_f(v['rho_tau'], '.3f')} "
-                f"| {_f(v['predicted'], '.3f')} | {_f(v['measured'], '.3f')} | {_f(v['error'] * 100, '+.1f')}% "
-                f"| {_f(v.get('rest_ratio'), '.2f')} |"
-            )
+        lines += _speedup_model(sm)
     pj = out.get("projection_llama3.1-8b", {})
     if pj.get("methods"):
-        rm = pj["round_ms"]
-        lines += [
-            "",
-            "## Projection at Llama-3.1-8B shapes",
-            "",
-            f"Head times from `{pj['source']}` ({pj.get('machine')}, {pj.get('threads')} thread(s), {pj['dtype']}); "
-            f"rest of a round from a roofline on the same machine figures: verification {_f(rm['verify'], '.0f')} ms, "
-            f"drafter backbone {_f(rm['backbone'], '.0f')} ms, full head {_f(rm['full_head'], '.0f')} ms per round, "
-            f"so kappa = {_f(pj['kappa'], '.3f')}; rho_tau and tau from this run. See docs/bench.md for the "
-            "assumptions.",
-            "",
-            "| method | head bench entry | head ms/round | nu | rho_tau | vs full head | vs ar |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for name, v in pj["methods"].items():
-            lines.append(
-                f"| {name} | {v['headbench']} | {_f(v['head_ms_per_round'], '.1f')} | {_f(v['nu'], '.3f')} "
-                f"| {_f(v['rho_tau'], '.3f')} | {_f(v['speedup_vs_full_head'], '.3f')} "
-                f"| {_f(v['speedup_vs_ar'], '.3f')} |"
-            )
+        lines += _projection(pj)
     if images:
         lines += ["", "## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images]
     return "\n".join(lines) + "\n"

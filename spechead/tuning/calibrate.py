@@ -10,7 +10,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,68 +151,55 @@ def measure(
         raise TuneError(f"cannot tune: {e}") from e
 
 
-@torch.inference_mode()
-def _measure(session, drafter, head, main_head, specs, grid, progress, new_tokens, n_prompts, budget_s):
-    from spechead.decoding.decoder import Decoder
+class _Calibration:
+    """What one tuning's steps share: the target and drafter, the head, a real decoder (rebuilt only when the tree
+    or the head changes), the row-count recorder and the progress bar."""
 
-    t0 = time.perf_counter()
-    prompts = calibration_prompts(session, n_prompts)
-    longest = max(len(ids) for _, ids in prompts)
-    if longest + new_tokens + 2 * MAX_ROWS + 8 > session.max_len:
-        raise TuneError(f"the context of {session.max_len} tokens is too short for the calibration prompts")
-    try:
-        stop_ids = list(session.stop_ids)
-    except Exception:  # a session without a tokenizer
-        stop_ids = []
-    target, max_len = session.target, session.max_len
-    ks = sorted({1} | {t.top_k for t in grid})
-    gather = supports_gather(head) and "gather=" not in head.partition(":")[2]
-    steps = 1 + MAX_ROWS + 1 + len(specs) + min(AR_PROMPTS, len(prompts)) + len(grid) * len(prompts)
-    steps += 2 * min(GATHER_PROMPTS, len(prompts)) if gather else 0
-    bar = tqdm(total=steps, desc="tune", unit="step", file=sys.stderr, disable=not progress, leave=False)
-    rec = Recorder(target, drafter)
-    drafter_len = drafter.max_len
-    try:
+    def __init__(self, session, drafter, main_head, bar) -> None:
+        self.session, self.drafter, self.main_head, self.bar = session, drafter, main_head, bar
+        try:
+            self.stop_ids = list(session.stop_ids)
+        except Exception:  # a session without a tokenizer
+            self.stop_ids = []
+        self.rec = Recorder(session.target, drafter)
+        self.current: dict[str, Any] = {}
 
-        def tick(what: str) -> None:
-            bar.set_postfix_str(what, refresh=False)
-            bar.update(1)
+    def tick(self, what: str) -> None:
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.update(1)
 
-        costs = measure_costs(session, drafter, specs, ks, prompts[0][1], tick)
-        # the AR step (the guard's reference; AR's tokens are the calibration outputs' reference too)
-        ar_dec = Decoder(target, None, None, None, max_len, stop_ids)
-        ar_runs = []
-        for kind, ids in prompts[:AR_PROMPTS]:
-            bar.set_postfix_str(f"ar {kind}", refresh=False)
-            ar_runs.append(decode_run(ar_dec, rec, ids, new_tokens, speculative=False))
-            bar.update(1)
-        ar_tokens = sum(max(len(r["tokens"]) - 1, 0) for r in ar_runs)
-        ar_step_ms = 1e3 * sum(r["decode_s"] for r in ar_runs) / max(ar_tokens, 1)
-        if budget_s is None:
-            budget_s = min(CAP_S, max(BUDGET_S, BUDGET_STEPS * ar_step_ms / 1e3))
-        del ar_dec
-        # acceptance: the real engine, every candidate, prompt by prompt
-        cands = [new_candidate(t) for t in grid]
-        current: dict[str, Any] = {}
+    def run(self, dec, ids: list[int], new_tokens: int, what: str, speculative: bool = True) -> dict[str, Any]:
+        """One prompt through ``dec`` (``decode_run``), one step of the progress bar."""
+        self.bar.set_postfix_str(what, refresh=False)
+        out = decode_run(dec, self.rec, ids, new_tokens, speculative)
+        self.bar.update(1)
+        return out
 
-        def make_decoder(c: dict[str, Any], head_obj=main_head):
-            tree = TreeConfig.parse(c["tree"])
-            if current.get("tree") != tree or current.get("head") is not head_obj:
-                current.update(tree=tree, head=head_obj)
-                current["dec"] = Decoder(target, drafter, head_obj, tree, max_len, stop_ids)
-            return current["dec"]
+    def decoder(self, c: dict[str, Any], head_obj=None):
+        """The decoder for candidate ``c``'s tree with ``head_obj`` (default: the head being tuned)."""
+        from spechead.decoding.decoder import Decoder
 
-        def refresh() -> float:
-            over = overhead([c for c in cands if c["rounds"]], costs, head)
-            for c in cands:
-                if c["rounds"]:
-                    c["pred"] = predict(c, costs, head, over)
-            return over
+        head_obj = self.main_head if head_obj is None else head_obj
+        tree = TreeConfig.parse(c["tree"])
+        if self.current.get("tree") != tree or self.current.get("head") is not head_obj:
+            self.current.update(tree=tree, head=head_obj)
+            target, max_len = self.session.target, self.session.max_len
+            self.current["dec"] = Decoder(target, self.drafter, head_obj, tree, max_len, self.stop_ids)
+        return self.current["dec"]
 
-        # a slow machine decodes fewer tokens per prompt: a first pass over every candidate (each at about AR's
-        # pace or faster) should take at most half the budget
-        fit = int(0.5 * budget_s / (len(grid) * ar_step_ms / 1e3))
-        new_tokens = max(min(new_tokens, MIN_TOKENS), min(new_tokens, fit))
+    def ar_step(self, prompts: list[tuple[str, list[int]]], new_tokens: int) -> tuple[list[dict[str, Any]], float]:
+        """AR's runs on the first prompts (the calibration outputs' reference) and its step in ms (the guard's)."""
+        from spechead.decoding.decoder import Decoder
+
+        ar_dec = Decoder(self.session.target, None, None, None, self.session.max_len, self.stop_ids)
+        runs = [self.run(ar_dec, ids, new_tokens, f"ar {kind}", False) for kind, ids in prompts[:AR_PROMPTS]]
+        tokens = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
+        return runs, 1e3 * sum(r["decode_s"] for r in runs) / max(tokens, 1)
+
+    def acceptance(self, cands, prompts, new_tokens: int, costs, head: str, budget_s: float, t0: float) -> int:
+        """The real engine decodes every prompt with every live candidate, pass by pass, while a pass fits the
+        budget at the candidates' pace; after MIN_PASSES the candidates predicting too little are dropped.
+        Returns the passes run."""
 
         def live() -> list[dict[str, Any]]:  # in order of verification size
             return sorted((c for c in cands if c["dropped_after"] is None), key=lambda c: c["max_rows"])
@@ -222,33 +208,69 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
         for i, (kind, ids) in enumerate(prompts):
             if i:  # another pass only if it fits the budget, at these candidates' pace so far
                 if time.perf_counter() - t0 + pace(live()) > budget_s:
-                    prune(cands, i, len(prompts) - i, bar, frac=float("inf"))  # the MIN_KEEP best, if that fits
+                    prune(cands, i, len(prompts) - i, self.bar, frac=float("inf"))  # the MIN_KEEP best, if that fits
                 if time.perf_counter() - t0 + pace(live()) > budget_s:
-                    bar.total -= (len(prompts) - i) * len(live())
+                    self.bar.total -= (len(prompts) - i) * len(live())
                     break
             for c in live():
-                bar.set_postfix_str(f"{kind} {c['tree']}", refresh=False)
-                add_run(c, decode_run(make_decoder(c), rec, ids, new_tokens))
-                bar.update(1)
+                add_run(c, self.run(self.decoder(c), ids, new_tokens, f"{kind} {c['tree']}"))
             passes, left = i + 1, len(prompts) - i - 1
-            refresh()
+            _refresh(cands, costs, head)
             if passes >= MIN_PASSES and left:
-                prune(cands, passes, left, bar)
-        overhead_ms = refresh()
+                prune(cands, passes, left, self.bar)
+        return passes
+
+    def close(self) -> None:
+        self.current.clear()
+        self.rec.close()
+        self.bar.close()
+
+
+def _refresh(cands: list[dict[str, Any]], costs: dict[str, Any], head: str) -> float:
+    """Re-predict every candidate that has run; returns the per-round overhead the predictions use."""
+    over = overhead([c for c in cands if c["rounds"]], costs, head)
+    for c in cands:
+        if c["rounds"]:
+            c["pred"] = predict(c, costs, head, over)
+    return over
+
+
+@torch.inference_mode()
+def _measure(session, drafter, head, main_head, specs, grid, progress, new_tokens, n_prompts, budget_s):
+    t0 = time.perf_counter()
+    prompts = calibration_prompts(session, n_prompts)
+    longest = max(len(ids) for _, ids in prompts)
+    if longest + new_tokens + 2 * MAX_ROWS + 8 > session.max_len:
+        raise TuneError(f"the context of {session.max_len} tokens is too short for the calibration prompts")
+    ks = sorted({1} | {t.top_k for t in grid})
+    gather = supports_gather(head) and "gather=" not in head.partition(":")[2]
+    steps = 1 + MAX_ROWS + 1 + len(specs) + min(AR_PROMPTS, len(prompts)) + len(grid) * len(prompts)
+    steps += 2 * min(GATHER_PROMPTS, len(prompts)) if gather else 0
+    bar = tqdm(total=steps, desc="tune", unit="step", file=sys.stderr, disable=not progress, leave=False)
+    calib = _Calibration(session, drafter, main_head, bar)
+    drafter_len = drafter.max_len
+    try:
+        costs = measure_costs(session, drafter, specs, ks, prompts[0][1], calib.tick)
+        ar_runs, ar_step_ms = calib.ar_step(prompts, new_tokens)
+        if budget_s is None:
+            budget_s = min(CAP_S, max(BUDGET_S, BUDGET_STEPS * ar_step_ms / 1e3))
+        # a slow machine decodes fewer tokens per prompt: a first pass over every candidate (each at about AR's
+        # pace or faster) should take at most half the budget
+        fit = int(0.5 * budget_s / (len(grid) * ar_step_ms / 1e3))
+        new_tokens = max(min(new_tokens, MIN_TOKENS), min(new_tokens, fit))
+        cands = [new_candidate(t) for t in grid]
+        passes = calib.acceptance(cands, prompts, new_tokens, costs, head, budget_s, t0)
+        overhead_ms = _refresh(cands, costs, head)
         _mark_mismatches(cands, ar_runs, passes, new_tokens)
         ar_tok_s = 1e3 / ar_step_ms
         chosen, pred, reason = choose(cands, ar_tok_s)
-        gather_rec = None
-        gather_choice = None
+        gather_rec = gather_choice = None
         if gather:
-            gather_choice, gather_rec = _tune_gather(
-                session, drafter, head, chosen, prompts, new_tokens, make_decoder, rec, bar
-            )
+            gather_choice, gather_rec = _tune_gather(calib, head, chosen, prompts, new_tokens)
             reason += (
                 f"; gather {gather_choice} ({gather_rec['sync_round_ms']:.2f} ms/round sync, "
                 f"{gather_rec['async_round_ms']:.2f} async)"
             )
-        current.clear()
         return {
             "version": TUNE_VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -270,8 +292,7 @@ def _measure(session, drafter, head, main_head, specs, grid, progress, new_token
             "choice": {"tree": chosen, "gather": gather_choice, "reason": reason, "predicted_tok_s": pred},
         }
     finally:
-        rec.close()
-        bar.close()
+        calib.close()
         if drafter_len:  # the tuning's decoders resized the drafter's cache: back to what its decoders expect
             drafter.setup_cache(drafter_len)
 
@@ -287,25 +308,15 @@ def _mark_mismatches(cands: list[dict[str, Any]], ar_runs: list[dict[str, Any]],
 
 
 def _tune_gather(
-    session,
-    drafter,
-    head: str,
-    chosen: str,
-    prompts: list[tuple[str, list[int]]],
-    new_tokens: int,
-    make_decoder: Callable[..., Any],
-    rec: Recorder,
-    bar,
+    calib: _Calibration, head: str, chosen: str, prompts: list[tuple[str, list[int]]], new_tokens: int
 ) -> tuple[str, dict[str, Any]]:
     """NanoSpec's gather: the chosen tree both ways, interleaved prompt by prompt; async only if clearly faster."""
-    heads = {m: session.draft_head(drafter, with_gather(head, m)) for m in ("sync", "async")}
+    heads = {m: calib.session.draft_head(calib.drafter, with_gather(head, m)) for m in ("sync", "async")}
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     tree_c = {"tree": chosen}
     for kind, ids in prompts[:GATHER_PROMPTS]:
         for mode, h in heads.items():
-            bar.set_postfix_str(f"gather={mode} {kind}", refresh=False)
-            runs[mode].append(decode_run(make_decoder(tree_c, h), rec, ids, new_tokens))
-            bar.update(1)
+            runs[mode].append(calib.run(calib.decoder(tree_c, h), ids, new_tokens, f"gather={mode} {kind}"))
     per = {m: per_round(rs, "decode_s", 1e3) for m, rs in runs.items()}
     choice = "async" if per["async"] < (1 - GATHER_MARGIN) * per["sync"] else "sync"
     return choice, {

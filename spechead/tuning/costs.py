@@ -66,36 +66,27 @@ class Recorder:
             h.remove()
 
 
-@torch.inference_mode()
-def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: list[int], tick) -> dict[str, Any]:
-    """Median ms of the parts of a round, on a prefix of the first calibration prompt."""
-    target = session.target
-    dev = target.lm_head.weight.device
-    want_aux = drafter.arch == "eagle3"
-    x = torch.tensor(ids, dtype=torch.long, device=dev)
-    p = x.numel()
-    drafter.setup_cache(session.max_len + 64)
-    target.prepack(1)
-    drafter.prepack(1)  # as the decoders lay it out
-    pre = target(x, 0, want_aux=want_aux)
-    feats = drafter.target_features(pre)
-    costs: dict[str, Any] = {"prefix": p}
+def _cycle(t: Tensor, n: int) -> Tensor:
+    """n rows of t, cycling when it has fewer."""
+    return t[torch.arange(n, device=t.device) % t.shape[0]]
 
-    def cyc(t, n):  # n rows of t, cycling when it has fewer
-        return t[torch.arange(n, device=dev) % t.shape[0]]
 
-    def seen(rows: int, cached: int, nodes: Tensor) -> Tensor:  # a node sees the cache and its tree ancestors
-        return torch.cat([torch.ones(rows, cached, dtype=torch.bool, device=dev), nodes], dim=1)
+def _seen(rows: int, cached: int, nodes: Tensor) -> Tensor:
+    """The attention mask of ``rows`` tree nodes: each sees the ``cached`` positions and its tree ancestors."""
+    return torch.cat([torch.ones(rows, cached, dtype=torch.bool, device=nodes.device), nodes], dim=1)
 
-    one = x[-1:]
+
+def _target_costs(target, x: Tensor, want_aux: bool, tick) -> tuple[float, dict[int, float]]:
+    """(decode step ms, {n: ms of a verification of n chain tokens}) after the prompt ``x``."""
+    dev, p = x.device, x.numel()
 
     def verify_fn(n: int) -> Callable[[], object]:
-        toks = cyc(x, n)
-        mask = seen(n, p, torch.ones(n, n, dtype=torch.bool, device=dev).tril())  # a chain: its ancestors
+        toks = _cycle(x, n)
+        mask = _seen(n, p, torch.ones(n, n, dtype=torch.bool, device=dev).tril())  # a chain: its ancestors
         pos = torch.arange(p, p + n, device=dev)
         return lambda: target(toks, p, positions=pos, mask=mask, want_aux=want_aux).logits.argmax(-1)
 
-    step = lambda: target(one, p).logits.argmax(-1)  # noqa: E731
+    step = lambda: target(x[-1:], p).logits.argmax(-1)  # noqa: E731
     # the step and the 16 verifications in turn, sweep after sweep, so that a shared host's drift falls on all
     # alike (timed one size after the other, a fast second can make several rows look cheaper than the step, and
     # the tuner pick too deep a tree)
@@ -111,24 +102,31 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
             if sweep == SWEEPS:
                 tick(f"verify {n}" if n else "target step")
     ms = {n: statistics.median(v) for n, v in times.items()}
-    costs["target_step_ms"] = ms.pop(0)
-    costs["verify_ms"] = ms
-    costs["drafter_ms"] = {}
+    return ms.pop(0), ms
+
+
+def _drafter_costs(drafter, x: Tensor, feats: Tensor, ks: list[int], tick) -> tuple[dict, dict, Tensor]:
+    """({n: ms of a catch-up pass of n rows}, {k: ms of a tree-level pass of k rows}, the last catch-up state)."""
+    dev, p = x.device, x.numel()
+    catch_up = {}
     for n in range(1, DRAFTER_ROWS + 1):
-        toks, f, pos = cyc(x, n), cyc(feats, n), torch.arange(p, p + n, device=dev)
-        costs["drafter_ms"][n] = _median_ms(lambda toks=toks, f=f, pos=pos: drafter(toks, f, p, pos, None), 5, dev)
+        toks, f, pos = _cycle(x, n), _cycle(feats, n), torch.arange(p, p + n, device=dev)
+        catch_up[n] = _median_ms(lambda toks=toks, f=f, pos=pos: drafter(toks, f, p, pos, None), 5, dev)
     tick("drafter")
-    h_last = drafter(one, feats[-1:], p, torch.tensor([p], device=dev), None)[-1:]
-    costs["drafter_tree_ms"] = {}
+    h_last = drafter(x[-1:], feats[-1:], p, torch.tensor([p], device=dev), None)[-1:]
+    level = {}
     for k in ks:
-        toks, hk = cyc(x, k), h_last.expand(k, -1)
-        mask = seen(k, p + 1, torch.eye(k, dtype=torch.bool, device=dev))  # one tree level
+        toks, hk = _cycle(x, k), h_last.expand(k, -1)
+        mask = _seen(k, p + 1, torch.eye(k, dtype=torch.bool, device=dev))  # one tree level
         pos = torch.full((k,), p + 1, dtype=torch.long, device=dev)
-        costs["drafter_tree_ms"][k] = _median_ms(
-            lambda toks=toks, hk=hk, mask=mask, pos=pos: drafter(toks, hk, p + 1, pos, mask), 5, dev
-        )
-    hin = drafter.head_input(h_last)
-    costs["heads"] = {}
+        level[k] = _median_ms(lambda toks=toks, hk=hk, mask=mask, pos=pos: drafter(toks, hk, p + 1, pos, mask), 5, dev)
+    return catch_up, level, h_last
+
+
+def _head_costs(session, drafter, head_specs: list[str], ks: list[int], x: Tensor, pre, hin: Tensor, tick) -> dict:
+    """Per head spec: ms of a root call (1 row) and of a tree-level call (k rows) per k, or the error that kept
+    this drafter or vocabulary from building it."""
+    out = {}
     for spec in head_specs:
         entry: dict[str, Any] = {}
         head = None
@@ -138,13 +136,31 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
             head.begin(x, pre.logits[-rows:] if head.needs_prompt_logits else None)
             entry["class"] = type(head).__name__
             for k in ks:
-                root = _median_ms(lambda k=k, head=head: head.topk(hin, k), 5, dev)
+                root = _median_ms(lambda k=k, head=head: head.topk(hin, k), 5, x.device)
                 hk = hin.expand(k, -1).contiguous()
-                level = root if k == 1 else _median_ms(lambda k=k, hk=hk, head=head: head.topk(hk, k), 5, dev)
+                level = root if k == 1 else _median_ms(lambda k=k, hk=hk, head=head: head.topk(hk, k), 5, x.device)
                 entry[k] = {"root": root, "level": level}
         except (SpecheadError, RuntimeError, ValueError) as e:  # a head this drafter or vocabulary cannot build
             entry = {"error": f"{type(e).__name__}: {e}"}
-        costs["heads"][spec] = entry
+        out[spec] = entry
         head = None  # free it before building the next
         tick(f"head {spec}")
+    return out
+
+
+@torch.inference_mode()
+def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: list[int], tick) -> dict[str, Any]:
+    """Median ms of the parts of a round, on a prefix of the first calibration prompt."""
+    target = session.target
+    want_aux = drafter.arch == "eagle3"
+    x = torch.tensor(ids, dtype=torch.long, device=target.lm_head.weight.device)
+    drafter.setup_cache(session.max_len + 64)
+    target.prepack(1)
+    drafter.prepack(1)  # as the decoders lay it out
+    pre = target(x, 0, want_aux=want_aux)
+    feats = drafter.target_features(pre)
+    costs: dict[str, Any] = {"prefix": x.numel()}
+    costs["target_step_ms"], costs["verify_ms"] = _target_costs(target, x, want_aux, tick)
+    costs["drafter_ms"], costs["drafter_tree_ms"], h_last = _drafter_costs(drafter, x, feats, ks, tick)
+    costs["heads"] = _head_costs(session, drafter, head_specs, ks, x, pre, drafter.head_input(h_last), tick)
     return costs
