@@ -9,7 +9,12 @@ _SAID: set[str] = set()  # notes already printed in this process
 
 
 class SpecheadError(Exception):
-    """An error caused by the user's input or files; the CLI prints it as one line."""
+    """An error caused by the user's input or files; the CLI prints it as one line. ``param``: the option it is
+    about, where it is about one (``spechead.options`` sets it; the server answers it as the 400's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def say_once(msg: str) -> None:

@@ -24,7 +24,6 @@ def run(*args, timeout=300):
         (["generate", "--prompt", "hi", "--drafter", "/no/such/dir"], "drafter not found"),
         (["generate", "--prompt", "hi", "--target", "/no/such/model"], "target not found"),
         (["generate", "--prompt", "hello " * 300, "--max-len", "256"], "does not fit the context"),
-        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["bench", "--suite", "/no/such.jsonl"], "suite file not found"),
         # the server refuses its options before it loads the (here missing) target
         (["serve", "--max-batch", "0", "--target", "/no/such/model"], "--max-batch must be in [1, 64], got 0"),
@@ -62,6 +61,13 @@ def test_bad_input_is_one_line(args, message):
         (["generate", "--prompt", "hi", "--threads", "0"], "--threads: expected a positive integer"),
         (["generate", "--prompt", "hi", "--threads", "-2"], "--threads: expected a positive integer"),
         (["generate", "--prompt", "hi", "--max-len", "-5"], "--max-len: expected a positive integer"),
+        # sampling and lengths: spechead.options' checks, as the API and the server make them
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature: temperature must be in [0, 2]"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--top-k", "-2"], "--top-k: top_k must be >= 0"),
+        (["generate", "--prompt", "hi", "--seed", "x"], "--seed: expected an integer"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: max_new_tokens must be >= 1"),
+        (["bench", "--temperature", "3"], "--temperature: temperature must be in [0, 2]"),
         (["serve", "--port", "99999"], "--port: expected a port in [0, 65535]"),
         (["extract", "--features", "/no/such/f", "--data", "x.jsonl", "--chunk-tokens", "0"], "--chunk-tokens"),
         (["bench-heads", "--shape", "demo", "--k", "0"], "--k: expected a positive integer"),

@@ -264,11 +264,10 @@ def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
 
     from spechead.decoding.sampling import SamplingConfig
     from spechead.decoding.session import resolve_drafter
-    from spechead.serve.batch_worker import BatchWorker
     from spechead.serve.schema import Params
-    from spechead.serve.worker import Job
+    from spechead.serve.worker import DecodeWorker, Job
 
-    w = BatchWorker(demo_session, resolve_drafter("random", demo_session.target), max_batch=1)
+    w = DecodeWorker(demo_session, resolve_drafter("random", demo_session.target), max_batch=1)
     loop = asyncio.new_event_loop()
     leaving, next_one = (Job(Params([1, 2, 3], 4, SamplingConfig(), [], "full", False, False), loop, 60) for _ in "ab")
     build = w._request_head
@@ -287,25 +286,19 @@ def test_a_job_cancelled_while_it_is_admitted_frees_its_lane(demo_session):
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "batch1"])
 def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session, batched):
-    """A stop string ends a reply before the decoder's result exists. The batched worker then said tau 1.0
-    whatever the rounds accepted, the batch-1 worker counted the guard's AR steps as rounds; both now report
-    the mean accept length of the speculative rounds run, as a finished reply does. The batched worker's
-    Retry-After estimate learns each request's time in the batch (it stayed at 1 s)."""
+    """A stop string ends a reply before the decoder's result exists: the reply reports the mean accept length of
+    the speculative rounds run, as a finished reply does, at one lane and at two, and the worker's Retry-After
+    estimate learns each request's time in the decoder."""
     import asyncio
 
     from spechead.decoding.sampling import SamplingConfig
     from spechead.decoding.session import resolve_drafter
     from spechead.decoding.tree import TreeConfig
-    from spechead.serve.batch_worker import BatchWorker
     from spechead.serve.schema import Params
     from spechead.serve.worker import DecodeWorker, Job
 
     drafter, tree = resolve_drafter("demo", demo_session.target), TreeConfig(2, 1, 4, lookup=8)
-    w = (
-        BatchWorker(demo_session, drafter, tree=tree, max_batch=2)
-        if batched
-        else DecodeWorker(demo_session, drafter, tree=tree)
-    )
+    w = DecodeWorker(demo_session, drafter, tree=tree, max_batch=2 if batched else 1)
     loop = asyncio.new_event_loop()
     ids = demo_session.encode("Repeat this line four times: red green blue yellow red green blue yellow")
 
@@ -355,6 +348,8 @@ def test_errors_in_openai_format(server):
         dict(stop=5),
         dict(stop=[""]),
         dict(seed="x"),
+        dict(max_completion_tokens=0),
+        dict(extra_body={"top_k": -2}),
         dict(n=2),
         dict(stream="yes"),
         dict(extra_body={"head": "nope"}),
@@ -365,6 +360,9 @@ def test_errors_in_openai_format(server):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=msgs, **kw)
         assert e.value.body["type"] == "invalid_request_error", kw
+        field = next(iter(kw.get("extra_body", kw)))
+        if field in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "head"):
+            assert e.value.body["param"] == field and field in e.value.body["message"], (kw, e.value.body)  # options
     for head in ("lowrank:0", "fr:999999"):  # names and options parse; only the weights refuse them
         for stream in (False, True):  # a streamed request too gets its 400 before the stream starts
             body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "stream": stream, "head": head}

@@ -1,10 +1,16 @@
 """Argument groups every subcommand shares, defined once: target, drafter, head, tree, decoding limits,
 sampling and threads. A subcommand adds the groups it needs; the help text and defaults stay the same
-everywhere (``spechead generate --help`` and ``spechead serve --help`` describe ``--tree`` alike)."""
+everywhere (``spechead generate --help`` and ``spechead serve --help`` describe ``--tree`` alike). Sampling and
+length options are checked as they are parsed, by ``spechead.options`` (the API's and the server's checks)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
+
+from spechead import options
+from spechead.errors import SpecheadError
 
 AUTO_TREE_HELP = (
     "draft tree: 'auto' (default: the tree `spechead tune` measured fastest for this machine, target, drafter "
@@ -40,6 +46,24 @@ def positive_int(text: str) -> int:
     return _int_in(text, 1, None, "a positive integer")
 
 
+def checked(check: Callable[[Any], Any], parse: Callable[[str], Any] = int) -> Callable[[str], Any]:
+    """argparse type: the text read by ``parse`` (int or float), then ``check``ed (a ``spechead.options`` check);
+    either's refusal is argparse's usage error."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            want = "an integer" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        try:
+            return check(value)
+        except SpecheadError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
 def add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
 
@@ -61,11 +85,15 @@ def add_max_len(p: argparse.ArgumentParser, default: int = 4096) -> None:
     p.add_argument("--max-len", type=positive_int, default=default, help="context limit (KV cache size)")
 
 
+def add_max_new_tokens(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--max-new-tokens", type=checked(options.max_new_tokens), default=default)
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=checked(options.temperature, float), default=0.0, help="0: greedy; up to 2")
+    p.add_argument("--top-p", type=checked(options.top_p, float), default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=checked(options.top_k), default=0, help="0 or -1: off")
+    p.add_argument("--seed", type=checked(options.seed), default=None, help="for reproducible sampling")
 
 
 def add_threads(p: argparse.ArgumentParser, type=positive_int) -> None:

@@ -7,11 +7,13 @@ import json
 import sys
 import time
 
+from spechead import options
 from spechead.cli.args import (
     add_compile,
     add_drafter,
     add_head,
     add_max_len,
+    add_max_new_tokens,
     add_sampling,
     add_target,
     add_threads,
@@ -27,37 +29,18 @@ DEMO_PROMPTS = [
 ]
 
 
-def _sampling(args):
-    from spechead.decoding.sampling import SamplingConfig
-
-    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-
-
-def _tree(spec: str | None):
-    """A TreeConfig, or ``auto``: Session.decoder resolves it (the tuning for this machine, target, drafter, head)."""
-    from spechead.decoding.session import AUTO_TREE
-    from spechead.decoding.tree import TreeConfig
-
-    if spec is None or spec.strip() == AUTO_TREE:
-        return AUTO_TREE
-    return TreeConfig.parse(spec)
-
-
 def cmd_generate(args) -> int:
-    from spechead.decoding.session import check_drafter_spec, resolve_drafter
-    from spechead.heads.base import check_head_spec
+    from spechead.decoding.session import resolve_drafter
     from spechead.tuning.tune import open_session
 
-    if not args.prompt.strip():
-        raise SpecheadError("empty prompt")
-    if args.method not in ("ar", "eagle"):
-        raise SpecheadError(f"unknown method {args.method!r}; expected ar or eagle")
-    if args.method == "eagle":  # refused before the target loads
-        check_head_spec(args.head)
-        check_drafter_spec(args.drafter)
-    sampling, tree = _sampling(args), _tree(args.tree)
-    session = open_session(args.target, args.max_len, compile=args.compile)
-    ids = session.encode(args.prompt, raw=args.raw)
+    options.prompt(args.prompt)  # every option is refused before the target loads (spechead.options)
+    if options.method(args.method) == "eagle":
+        options.head(args.head)
+        options.drafter(args.drafter)
+    sampling = options.sampling(args.temperature, args.top_p, args.top_k, args.seed)
+    tree = options.tree(args.tree)  # a TreeConfig, or ``auto``: the decoder resolves it (this machine's tuning)
+    session = open_session(options.target(args.target), args.max_len, compile=args.compile)
+    ids = options.prompt_tokens(session.encode(args.prompt, raw=args.raw), session.max_len)
     if args.method == "ar":
         dec = session.decoder()
     else:
@@ -116,7 +99,7 @@ def cmd_demo(args) -> int:
     print(f"target SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f}s; drafter: {which}")
     # plain AR, EAGLE-2 with its full head, and NanoSpec's active-vocabulary head on the same drafter
     ar = session.decoder()
-    tree = _tree(args.tree)
+    tree = options.tree(args.tree)
     methods = {
         "eagle (full head)": session.decoder(drafter, "full", tree),
         "nanospec": session.decoder(drafter, "nanospec", tree),
@@ -161,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target(g)
     add_drafter(g)
     add_tree(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_new_tokens(g, 128)
     add_max_len(g)
     add_sampling(g)
     add_threads(g)
@@ -173,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
 
     d = sub.add_parser("demo", help="the demo: SmolLM2-135M-Instruct, AR vs speculative, outputs compared")
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    add_max_new_tokens(d, 64)
     add_max_len(d, 2048)
     add_threads(d)
     add_tree(d)

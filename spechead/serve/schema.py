@@ -1,16 +1,18 @@
 """Request validation in OpenAI's terms: every bad field is a 400 in OpenAI's error format, found before
-the request takes a place in the queue, so the worker only ever sees requests it can decode."""
+the request takes a place in the queue, so the worker only ever sees requests it can decode. The options the
+API and the command line share (max_tokens, sampling, head) are checked by ``spechead.options``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from spechead import options
 from spechead.decoding.sampling import SamplingConfig
 from spechead.errors import SpecheadError
-from spechead.heads.base import check_head_spec
 
 MAX_BODY_BYTES = 16 << 20
 MAX_STOP_STRINGS = 16
@@ -62,24 +64,19 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _get(body: dict, name: str, check: Callable[[Any], bool], what: str, default: Any = None) -> Any:
+def _field(body: dict, name: str, default: Any) -> Any:
+    """A field's value, or ``default`` where the request leaves it out or sends null."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:60]}", name)
-    return value
+    return default if value is None else value
 
 
-def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
-    ok = (lo < value if lo_open else lo <= value) and value <= hi
-    if not ok:  # also rejects NaN
-        bracket = "(" if lo_open else "["
-        raise ApiError(400, f"'{name}' must be in {bracket}{lo}, {hi}], got {value}", name)
+@contextlib.contextmanager
+def field_errors() -> Iterator[None]:
+    """A ``SpecheadError`` from a ``spechead.options`` check as a 400 naming the field it is about."""
+    try:
+        yield
+    except SpecheadError as e:
+        raise ApiError(400, str(e), e.param) from None
 
 
 # Options we do not implement: refuse non-default values rather than silently ignoring them.
@@ -128,20 +125,11 @@ def check_body(body: Any, model_name: str) -> dict:
 
 def parse_sampling(body: dict, default_max_tokens: int) -> tuple[int, SamplingConfig, list[str]]:
     """max_tokens, the sampling config and the stop strings; OpenAI's defaults (temperature 1)."""
-    temperature = float(_get(body, "temperature", _is_number, "a number", 1.0))
-    _in_range("temperature", temperature, 0.0, 2.0)
-    top_p = float(_get(body, "top_p", _is_number, "a number", 1.0))
-    _in_range("top_p", top_p, 0.0, 1.0, lo_open=True)
-    top_k = _get(body, "top_k", is_int, "an integer", 0)
-    if top_k == -1:  # vLLM's spelling of "off"
-        top_k = 0
-    if top_k < 0:
-        raise ApiError(400, f"'top_k' must be >= 0 (or -1 for off), got {top_k}", "top_k")
-    seed = _get(body, "seed", is_int, "an integer")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _get(body, name, is_int, "an integer", default_max_tokens)
-    if max_tokens < 1:
-        raise ApiError(400, f"'{name}' must be >= 1, got {max_tokens}", name)
+    with field_errors():
+        max_tokens = options.max_new_tokens(_field(body, name, default_max_tokens), name)
+        temperature, top_p = _field(body, "temperature", 1.0), _field(body, "top_p", 1.0)
+        sampling = options.sampling(temperature, top_p, _field(body, "top_k", 0), body.get("seed"))
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -151,8 +139,7 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[int, SamplingCo
         raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings", "stop")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings of up to {MAX_STOP_CHARS} characters", "stop")
-    seed = None if seed is None else seed % 2**63
-    return max_tokens, SamplingConfig(temperature, top_p, top_k, seed), stop
+    return max_tokens, sampling, stop
 
 
 def parse_head(body: dict, default: str) -> str:
@@ -163,12 +150,8 @@ def parse_head(body: dict, default: str) -> str:
     head = body.get("head", (extra or {}).get("head"))
     if head is None:
         return default
-    if not isinstance(head, str) or not head:
-        raise ApiError(400, "'head' must be a non-empty string such as \"full\"", "head")
-    try:
-        return check_head_spec(head)  # the name and its options, before any decoder is built
-    except SpecheadError as e:
-        raise ApiError(400, str(e), "head") from None
+    with field_errors():
+        return options.head(head)  # the name and its options, before any decoder is built
 
 
 def parse_params(body: dict, default_max_tokens: int, default_head: str) -> Params:
