@@ -51,7 +51,7 @@ def make_decoder(
 ) -> Decoder:
     """The engine's decoder for these choices (``submit``, ``step``, ``cancel``, ``busy``): the one place the API
     builds one."""
-    return session.batch_decoder(drafter, head, tree, max_batch)
+    return session.decoder(drafter, head, tree, max_batch=max_batch)
 
 
 class LLM:

@@ -426,7 +426,8 @@ class Decoder:
     def _round(self, reqs: list[Request]) -> list[Event]:
         """Draft for the speculating requests, verify every request's rows in one target forward, accept."""
         target, drafter, dev, tm = self.target, self.drafter, self.device, self.timers
-        shape = self.tree_for(len(reqs)) if drafter is not None else None
+        speculating = any(r.speculative for r in reqs)
+        shape = self.tree_for(len(reqs)) if speculating else None
         guard = self._guard(len(reqs)) if shape is not None else None
         mode = "speculative" if shape is not None else "plain"
         if guard is not None and guard.ar:
@@ -436,7 +437,7 @@ class Decoder:
         t0 = guard.clock() if guard is not None else 0.0
         spec = [r for r in reqs if r.speculative] if shape is not None else []
         trees = dict(zip((r.rid for r in spec), self._draft(spec, shape), strict=True)) if spec else {}
-        want_aux = drafter is not None and drafter.arch == "eagle3" and any(r.speculative for r in reqs)
+        want_aux = speculating and drafter.arch == "eagle3"
         committed_all: list[tuple[Request, list[int], bool]] = []
         paths: list[Tensor | None] = []
         with tm("ar" if mode == "ar" else "verify", dev):

@@ -167,10 +167,6 @@ class Session:
             make = lambda: self.draft_head(drafter, head)  # noqa: E731
         return Decoder(self.target, drafter, make, rule, self.max_len, self.stop_ids, guard, ar_step_s, max_batch)
 
-    def batch_decoder(self, drafter=None, head="full", tree=AUTO_TREE, max_batch=8, guard=GUARD) -> Decoder:
-        """Transitional: ``decoder(..., max_batch=N)``."""
-        return self.decoder(drafter, head, tree, guard, max_batch)
-
     def encode(self, turns: list[dict[str, str]] | str, raw: bool = False) -> list[int]:
         """A prompt's ids: a string is one user turn; the chat template where the target has one (a base
         model's turns are written in the completion format); ``raw``: the string as plain text."""
