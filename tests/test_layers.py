@@ -19,6 +19,7 @@ LAYERS = [
     {"model"},
     {"heads"},
     {"decoding"},
+    {"options"},  # the checks of user-facing options, shared by the API, the CLI and the server
     {"training"},
     {"tuning"},
     {"bench"},
