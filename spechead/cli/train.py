@@ -198,6 +198,14 @@ def _features_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
+    """The training subcommands: gen-data, extract, train-drafter, fit-lowrank."""
+    _add_gen_data(sub)
+    _add_extract(sub)
+    _add_train_drafter(sub)
+    _add_fit_lowrank(sub)
+
+
+def _add_gen_data(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gen-data", help="regenerate assistant replies with the target (self-distillation data)")
     add_target(g)
     g.add_argument("--data", nargs="+", required=True, help="chat JSONL files (FILE or FILE:N)")
@@ -222,6 +230,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     _add_device(g)
     g.set_defaults(func=cmd_gen_data)
 
+
+def _add_extract(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("extract", help="cache the target features drafters train on")
     _features_options(e)
     e.add_argument("--features", required=True)
@@ -241,6 +251,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     _add_device(e)
     e.set_defaults(func=cmd_extract)
 
+
+def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 drafter (optionally a SlimSpec head)")
     _features_options(t)
     t.add_argument("--out", required=True)
@@ -289,6 +301,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     t.set_defaults(func=cmd_train)
 
+
+def _add_fit_lowrank(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fit-lowrank", help="fit an EAGLE-2 drafter's low-rank head to its own states (no training)")
     f.add_argument("--drafter", required=True, help="the EAGLE-2 drafter folder; lowrank_head.safetensors goes in it")
     f.add_argument("--features", required=True, help="feature folder the drafter runs over (held-out first)")

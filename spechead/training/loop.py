@@ -251,12 +251,29 @@ def _train(
     online: OnlineChunks | None,
     max_minutes: float | None,
 ) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     if dist and max_minutes:
         raise SpecheadError("a timed run (--max-minutes) is one process: each would stop at another step")
-    device = target.lm_head.weight.device
+    paths, meta = _training_data(target, features, online)
+    run = _Run(dist, target, out, cfg, paths, meta, init, resume, progress, online, max_minutes)
+    end = run.total if stop_after is None else min(run.total, run.step + stop_after)
+    while run.step < end:
+        spent = run.spent()
+        if spent is not None and spent >= 1:  # the time budget is spent: the run ends here, finished
+            run.stop_for_time()
+            break
+        run.train_step(spent, end)
+    run.bar.close()
+    if run.step < run.total:  # stopped early on purpose: the checkpoint is the state
+        if run.log:
+            run.log.close()
+        return {"steps": run.step, "total_steps": run.total}
+    return run.finish()
+
+
+def _training_data(
+    target: Transformer, features: Path | None, online: OnlineChunks | None
+) -> tuple[list[Path], dict[str, Any]]:
+    """The feature chunks and their meta (no chunks for ``online`` features), checked against the target."""
     if online is not None:
         if online.target is not target:
             raise SpecheadError("online features must come from the target being trained against")
@@ -267,114 +284,158 @@ def _train(
         paths, meta = ready_features(features)
     if meta.get("hidden_size") != target.config.hidden_size or meta.get("vocab_size") != target.config.vocab_size:
         raise SpecheadError(f"features in {features} were extracted from another target")
-    torch.manual_seed(cfg.seed)
-    ck_state = load_train_state(out) if resume else None
-    drafter, teacher = make_drafter(target, cfg, init)
-    if ck_state is not None:
-        saved = load_drafter(out / "checkpoint", target).float()
-        drafter.load_state_dict(saved.state_dict(), strict=False)
-    unroll_ready(drafter)
-    drafter.to(device)
-    teacher = teacher.to(device) if teacher is not None else None
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    fused = device.type == "cuda"  # one kernel for the whole update on a GPU; the CPU keeps its reference path
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
-    packs = plan_packs(meta["lengths"], cfg.pack_tokens)
-    train_packs, held = split_packs(packs, len(meta["lengths"]), cfg.eval_packs)
-    if not train_packs:
-        raise SpecheadError("not enough data to train (every pack was held out)")
-    per_epoch = len(train_packs) // world
-    budget_s = max_minutes * 60 if max_minutes else None
-    total = cfg.max_steps or (sys.maxsize if budget_s else max(1, int(math.ceil(per_epoch * cfg.epochs))))
-    step, epoch, pos, spent_s = 0, 0, 0, 0.0
-    if ck_state is not None:
-        restore_optimizer(opt, ck_state["optimizer"], fused)
-        step, epoch, pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
-        spent_s = ck_state.get("elapsed_s", 0.0) if budget_s else 0.0  # a spent budget: nothing left to train
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / "train_log.jsonl").open("a") if rank == 0 else None
-    cache = online if online is not None else ChunkCache(paths)
-    bar = tqdm(
-        total=None if total == sys.maxsize else total,
-        initial=step,
-        desc=f"train {cfg.arch}",
-        disable=not progress or rank,
-        dynamic_ncols=True,
-    )
-    t0, tokens_seen, ema = time.perf_counter(), 0, None
-    clock0 = t0 - spent_s  # a timed run's clock, continued across resumes
+    return paths, meta
 
-    def checkpoint() -> None:
-        state = {"step": step, "epoch": epoch, "pos": pos, "config": asdict(cfg)}
-        save_checkpoint(out, drafter, opt, {**state, "elapsed_s": time.perf_counter() - clock0})
 
-    order = epoch_order(train_packs, cfg.seed, epoch)
-    end = total if stop_after is None else min(total, step + stop_after)
-    while step < end:
-        spent = (time.perf_counter() - clock0) / budget_s if budget_s else None
-        if spent is not None and spent >= 1:  # the time budget is spent: the run ends here, finished
-            total = end = step
-            if rank == 0:
-                stop = {"step": step, "stopped": "time budget spent", "elapsed_s": _elapsed(clock0)}
-                log.write(json.dumps(stop) + "\n")
-                checkpoint()
-            break
-        if pos + world > len(order):
-            epoch, pos = epoch + 1, 0
-            order = epoch_order(train_packs, cfg.seed, epoch)
-        c, lo, hi = order[pos + rank]
-        pos += world
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg, spent)
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * world + rank)
-        res = run_ttt(drafter, target, make_batch(cache.get(c), lo, hi).to(device), cfg, gen, teacher)
-        opt.zero_grad(set_to_none=False)
+class _Run:
+    """One training process's state: the drafter (and its teacher) on the target's device, the optimiser, the
+    packs, where the schedule stands (step, epoch, position in the epoch's order), the clocks and the log."""
+
+    def __init__(
+        self,
+        dist,
+        target: Transformer,
+        out: Path,
+        cfg: TrainConfig,
+        paths: list[Path],
+        meta: dict[str, Any],
+        init: str | None,
+        resume: bool,
+        progress: bool,
+        online: OnlineChunks | None,
+        max_minutes: float | None,
+    ) -> None:
+        from tqdm import tqdm
+
+        self.dist, self.target, self.out, self.cfg, self.meta = dist, target, out, cfg, meta
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        self.device = target.lm_head.weight.device
+        torch.manual_seed(cfg.seed)
+        ck_state = load_train_state(out) if resume else None
+        self.drafter, teacher = make_drafter(target, cfg, init)
+        if ck_state is not None:
+            saved = load_drafter(out / "checkpoint", target).float()
+            self.drafter.load_state_dict(saved.state_dict(), strict=False)
+        unroll_ready(self.drafter)
+        self.drafter.to(self.device)
+        self.teacher = teacher.to(self.device) if teacher is not None else None
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        fused = self.device.type == "cuda"  # one kernel for the whole update on a GPU; the CPU keeps its reference path
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None
+        )
+        packs = plan_packs(meta["lengths"], cfg.pack_tokens)
+        self.train_packs, self.held = split_packs(packs, len(meta["lengths"]), cfg.eval_packs)
+        if not self.train_packs:
+            raise SpecheadError("not enough data to train (every pack was held out)")
+        per_epoch = len(self.train_packs) // self.world
+        self.budget_s = max_minutes * 60 if max_minutes else None
+        epochs_steps = max(1, int(math.ceil(per_epoch * cfg.epochs)))
+        self.total = cfg.max_steps or (sys.maxsize if self.budget_s else epochs_steps)
+        self.step, self.epoch, self.pos, spent_s = 0, 0, 0, 0.0
+        if ck_state is not None:
+            restore_optimizer(self.opt, ck_state["optimizer"], fused)
+            self.step, self.epoch, self.pos = ck_state["step"], ck_state["epoch"], ck_state["pos"]
+            spent_s = ck_state.get("elapsed_s", 0.0) if self.budget_s else 0.0  # a spent budget: nothing left to train
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = (out / "train_log.jsonl").open("a") if self.rank == 0 else None
+        self.cache = online if online is not None else ChunkCache(paths)
+        self.bar = tqdm(
+            total=None if self.total == sys.maxsize else self.total,
+            initial=self.step,
+            desc=f"train {cfg.arch}",
+            disable=not progress or self.rank,
+            dynamic_ncols=True,
+        )
+        self.t0, self.tokens_seen, self.ema = time.perf_counter(), 0, None
+        self.clock0 = self.t0 - spent_s  # a timed run's clock, continued across resumes
+        self.order = epoch_order(self.train_packs, cfg.seed, self.epoch)
+
+    def spent(self) -> float | None:
+        """The share of the time budget spent (None: an untimed run)."""
+        return (time.perf_counter() - self.clock0) / self.budget_s if self.budget_s else None
+
+    def checkpoint(self) -> None:
+        state = {"step": self.step, "epoch": self.epoch, "pos": self.pos, "config": asdict(self.cfg)}
+        save_checkpoint(self.out, self.drafter, self.opt, {**state, "elapsed_s": time.perf_counter() - self.clock0})
+
+    def stop_for_time(self) -> None:
+        """End the run at this step, finished: the total becomes the step, logged and checkpointed by rank 0."""
+        self.total = self.step
+        if self.rank == 0:
+            stop = {"step": self.step, "stopped": "time budget spent", "elapsed_s": _elapsed(self.clock0)}
+            self.log.write(json.dumps(stop) + "\n")
+            self.checkpoint()
+
+    def train_step(self, spent: float | None, end: int) -> None:
+        """One optimiser step on this process's next pack (a new epoch's order when the order runs out), then the
+        log, the held-out evaluation and the checkpoint where they are due."""
+        cfg, world, rank = self.cfg, self.world, self.rank
+        if self.pos + world > len(self.order):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self.order = epoch_order(self.train_packs, cfg.seed, self.epoch)
+        c, lo, hi = self.order[self.pos + rank]
+        self.pos += world
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, self.total, cfg, spent)
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.step * world + rank)
+        batch = make_batch(self.cache.get(c), lo, hi).to(self.device)
+        res = run_ttt(self.drafter, self.target, batch, cfg, gen, self.teacher)
+        self.opt.zero_grad(set_to_none=False)
         res.loss.backward()
-        if dist:
-            _all_reduce_grads(params, dist, world)
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        opt.step()
-        step += 1
-        tokens_seen += res.tokens * world
+        if self.dist:
+            _all_reduce_grads(self.params, self.dist, world)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.opt.step()
+        self.step += 1
+        self.tokens_seen += res.tokens * world
+        self._report(res, gnorm, spent)
+        if cfg.eval_every and self.step % cfg.eval_every == 0 and rank == 0 and self.held:
+            ev = evaluate(self.drafter, self.target, self.cache, self.held, cfg, self.teacher)
+            self.log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
+            self.log.flush()
+        if rank == 0 and (self.step % cfg.save_every == 0 or self.step == end):
+            self.checkpoint()
+
+    def _report(self, res, gnorm: float, spent: float | None) -> None:
+        """The progress bar every step; the log line every ``log_every`` steps and at the last."""
         loss = float(res.loss.detach())
-        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
-        rate = tokens_seen / (time.perf_counter() - t0)
+        self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
+        rate = self.tokens_seen / (time.perf_counter() - self.t0)
         acc = res.top1[0][0] / max(1, res.top1[0][1])
-        bar.set_postfix(loss=f"{ema:.3f}", top1=f"{acc:.2f}", tok_s=f"{rate:.0f}")
-        bar.update(1)
-        if log and (step % cfg.log_every == 0 or step == total):
-            rec = {"step": step, "epoch": epoch, "loss": loss, "loss_ema": ema, "ce": res.ce, "top1_0": acc}
-            rec.update(
-                lr=lr_at(step - 1, total, cfg, spent), grad_norm=gnorm, tokens_per_s=rate, elapsed_s=_elapsed(t0)
-            )
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0 and held:
-            ev = evaluate(drafter, target, cache, held, cfg, teacher)
-            log.write(json.dumps({"step": step, "eval": ev}) + "\n")
-            log.flush()
-        if rank == 0 and (step % cfg.save_every == 0 or step == end):
-            checkpoint()
-    bar.close()
-    if step < total:  # stopped early on purpose: the checkpoint is the state
-        if log:
-            log.close()
-        return {"steps": step, "total_steps": total}
-    metrics: dict[str, Any] = {"steps": step, "epochs": step * world / max(1, len(train_packs)), "world": world}
-    metrics["param_checksum"] = param_checksum(drafter)
-    if rank == 0:
-        if held:
-            metrics["eval"] = evaluate(drafter, target, cache, held, cfg, teacher)
-        metrics["train_tokens_per_s"] = tokens_seen / max(1e-9, time.perf_counter() - t0)
-        metrics["config"] = asdict(cfg)
-        metrics["features"] = {k: meta.get(k) for k in ("tokens", "targets", "examples", "chunks", "data")}
-        drafter.save(out)  # the deployable bf16 drafter
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        log.close()
-    if dist:
-        (out / f"checksum_rank{rank}.json").write_text(json.dumps({"param_checksum": metrics["param_checksum"]}))
-        dist.barrier()
-    return metrics
+        self.bar.set_postfix(loss=f"{self.ema:.3f}", top1=f"{acc:.2f}", tok_s=f"{rate:.0f}")
+        self.bar.update(1)
+        if self.log and (self.step % self.cfg.log_every == 0 or self.step == self.total):
+            rec = {"step": self.step, "epoch": self.epoch, "loss": loss, "loss_ema": self.ema, "ce": res.ce}
+            rec.update(top1_0=acc, lr=lr_at(self.step - 1, self.total, self.cfg, spent), grad_norm=gnorm)
+            rec.update(tokens_per_s=rate, elapsed_s=_elapsed(self.t0))
+            self.log.write(json.dumps(rec) + "\n")
+            self.log.flush()
+
+    def finish(self) -> dict[str, Any]:
+        """The final metrics; rank 0 evaluates on the held-out packs and writes the deployable drafter and
+        metrics.json, every process its parameters' checksum when there are several."""
+        rank, world = self.rank, self.world
+        metrics: dict[str, Any] = {
+            "steps": self.step,
+            "epochs": self.step * world / max(1, len(self.train_packs)),
+            "world": world,
+        }
+        metrics["param_checksum"] = param_checksum(self.drafter)
+        if rank == 0:
+            if self.held:
+                metrics["eval"] = evaluate(self.drafter, self.target, self.cache, self.held, self.cfg, self.teacher)
+            metrics["train_tokens_per_s"] = self.tokens_seen / max(1e-9, time.perf_counter() - self.t0)
+            metrics["config"] = asdict(self.cfg)
+            metrics["features"] = {k: self.meta.get(k) for k in ("tokens", "targets", "examples", "chunks", "data")}
+            self.drafter.save(self.out)  # the deployable bf16 drafter
+            (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            self.log.close()
+        if self.dist:
+            checksum = json.dumps({"param_checksum": metrics["param_checksum"]})
+            (self.out / f"checksum_rank{rank}.json").write_text(checksum)
+            self.dist.barrier()
+        return metrics
 
 
 def _elapsed(t0: float) -> float:
