@@ -246,18 +246,7 @@ def generate_data(
     from spechead.model.loading import read_config, resolve_target
     from spechead.model.tokenizer import load_tokenizer, stop_token_ids
 
-    if engine not in GEN_ENGINES:
-        raise SpecheadError(f"--engine must be one of {', '.join(GEN_ENGINES)}, not {engine!r}")
-    if dtype not in ("float32", "bfloat16"):
-        raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
-    if device != "cpu" and engine != "transformers":
-        raise SpecheadError(
-            "--device other than cpu needs --engine transformers (spechead's decoder is tuned for CPUs)"
-        )
-    if batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
-        raise SpecheadError("--batch-size, --max-new-tokens and --max-prompt-tokens must be >= 1")
-    if not temperature >= 0:  # (NaN too)
-        raise SpecheadError(f"--temperature must be >= 0, got {temperature}")
+    _check_gen_options(engine, dtype, device, batch_size, max_new_tokens, max_prompt_tokens, temperature)
     if threads:
         torch.set_num_threads(threads)
     folder = resolve_target(target)
@@ -277,14 +266,9 @@ def generate_data(
         "dtype": dtype,
         "engine": engine,
         "prompts": len(prompts),
-        **({"device": device} if device != "cpu" else {}),  # a CPU run's manifest reads as before
+        **({"device": device} if device != "cpu" else {}),  # the CPU is the default: its manifests name no device
     }
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    if manifest is not None and manifest.get("settings", {}).get("engine") is None:
-        manifest["settings"]["engine"] = "transformers"  # written before there was a choice
-    if manifest is not None and manifest.get("settings") != settings:
-        raise SpecheadError(f"{out} was generated with other settings ({manifest_path}); use a new --out")
-    manifest = manifest or {"settings": settings, "records": 0, "new_tokens": 0, "generate_s": 0.0}
+    manifest = _open_manifest(manifest_path, settings, out)
     done = count_lines(out)
     todo = prompts[done:][:stop_after]
     if not todo:
@@ -297,9 +281,45 @@ def generate_data(
         replies = _transformers_replies(
             folder, dtype, ids, batch_size, max_new_tokens, temperature, seed, stops, device
         )
+    bar = tqdm(total=len(prompts), initial=done, desc=f"gen-data ({engine})", unit="prompt", dynamic_ncols=True)
+    try:
+        return _write_records(out, manifest_path, manifest, todo, replies, tok, chat, done, batch_size, bar)
+    finally:
+        bar.close()
+
+
+def _check_gen_options(engine, dtype, device, batch_size, max_new_tokens, max_prompt_tokens, temperature) -> None:
+    """Refuse ``generate_data`` settings no run can use, before anything loads."""
+    if engine not in GEN_ENGINES:
+        raise SpecheadError(f"--engine must be one of {', '.join(GEN_ENGINES)}, not {engine!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise SpecheadError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if device != "cpu" and engine != "transformers":
+        raise SpecheadError(
+            "--device other than cpu needs --engine transformers (spechead's decoder is tuned for CPUs)"
+        )
+    if batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
+        raise SpecheadError("--batch-size, --max-new-tokens and --max-prompt-tokens must be >= 1")
+    if not temperature >= 0:  # (NaN too)
+        raise SpecheadError(f"--temperature must be >= 0, got {temperature}")
+
+
+def _open_manifest(manifest_path: Path, settings: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The manifest of the records in ``out``: the existing one when its settings are these (resuming), a new one
+    when there is none; other settings are refused (the records would mix two datasets)."""
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest is not None and manifest.get("settings", {}).get("engine") is None:
+        manifest["settings"]["engine"] = "transformers"  # a manifest that names no engine is a transformers one
+    if manifest is not None and manifest.get("settings") != settings:
+        raise SpecheadError(f"{out} was generated with other settings ({manifest_path}); use a new --out")
+    return manifest or {"settings": settings, "records": 0, "new_tokens": 0, "generate_s": 0.0}
+
+
+def _write_records(out, manifest_path, manifest, todo, replies, tok, chat, done, batch_size, bar) -> int:
+    """Append one record per reply to ``out`` (chat messages, or prompt + completion + stop token for a base
+    model), flushing it and rewriting the manifest every ``batch_size`` records; returns the records written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    bar = tqdm(total=len(prompts), initial=done, desc=f"gen-data ({engine})", unit="prompt", dynamic_ncols=True)
     t0 = time.perf_counter()
     with out.open("a", encoding="utf-8") as f:
         for (source, turns, _), (reply_ids, stop) in zip(todo, replies, strict=True):
@@ -319,7 +339,6 @@ def generate_data(
                 manifest["generate_s"] = round(manifest["generate_s"] + now - t0, 1)
                 t0 = now
                 manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-    bar.close()
     return written
 
 
