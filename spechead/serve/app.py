@@ -18,6 +18,7 @@ from typing import Any
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.model.loading import target_label
+from spechead.serve.metrics import Metrics
 from spechead.serve.schema import (
     MAX_BODY_BYTES,
     ApiError,
@@ -80,14 +81,21 @@ async def _watch_disconnect(request, on_gone: Callable[[], None]) -> None:
 
 
 def create_app(worker: DecodeWorker):
-    """The FastAPI application around a ``DecodeWorker``."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException
+    """The FastAPI application around a ``DecodeWorker``: its error handlers, completion routes and info routes."""
+    from fastapi import FastAPI
 
     app = FastAPI(title="spechead", docs_url=None, redoc_url=None, openapi_url=None)
-    m = worker.metrics
+    _add_error_handlers(app, worker.metrics)
+    _add_completion_routes(app, worker)
+    _add_info_routes(app, worker)
+    return app
+
+
+def _add_error_handlers(app, m: Metrics) -> None:
+    """Answer every error in the OpenAI error shape; API and HTTP errors count in ``m`` under their status."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -109,111 +117,14 @@ def create_app(worker: DecodeWorker):
         log.exception("unhandled error")
         return _error_response(ApiError(500, f"internal error: {type(e).__name__}"))
 
-    async def read_body(request: Request) -> dict:
-        size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from e
-        return check_body(body, worker.model_name)
 
-    async def respond(request: Request, p: Params, chat: bool):
-        await asyncio.to_thread(worker.check_head, p.head)  # a 400 before any response starts, streamed or not
-        job = Job(p, asyncio.get_running_loop(), worker.timeout)
-        worker.submit(job)
-        # Watch the connection from now on: a client that leaves while its job waits (or before a
-        # stream's first byte) must free its place too. Handlers stop the watcher once they finish.
-        watcher = asyncio.create_task(_watch_disconnect(request, lambda: worker.cancel(job)))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        obj = "chat.completion" if chat else "text_completion"
-        base = {
-            "id": rid,
-            "object": obj + (".chunk" if chat and p.stream else ""),
-            "created": int(time.time()),
-            "model": worker.model_name,
-        }
-        path = request.url.path
-
-        def choice(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-        if not p.stream:
-            pieces: list[str] = []
-            finished = False
-            try:
-                while True:
-                    kind, payload = await _next_event(job)
-                    if kind == "text":
-                        pieces.append(payload)
-                        continue
-                    finished = kind == "done" or payload.status != 504
-                    if kind == "error":
-                        if payload.status == 504:
-                            m.timeouts.inc()
-                        raise payload
-                    break
-            finally:
-                watcher.cancel()
-                if not finished:  # timed out, or this handler was cancelled
-                    worker.cancel(job, disconnected=False)
-            out: Outcome = payload
-            text = "".join(pieces)
-            ch = (
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": out.finish_reason,
-                }
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
-            )
-            m.requests.labels(path, "200").inc()
-            return JSONResponse({**base, "choices": [ch], "usage": _usage(out), "spechead": _extra(out, p.head)})
-
-        async def events() -> AsyncIterator[bytes]:
-            finished = timed_out = False
-            try:
-                if chat:
-                    yield _sse({**base, "choices": [choice(None, None, first=True)]})
-                while True:
-                    kind, payload = await _next_event(job)
-                    if kind == "text":
-                        yield _sse({**base, "choices": [choice(payload, None)]})
-                        continue
-                    timed_out = kind == "error" and payload.status == 504
-                    finished = not timed_out
-                    if kind == "error":
-                        if timed_out:
-                            m.timeouts.inc()
-                        yield _sse(payload.body())  # headers are gone: errors travel as an event
-                    else:
-                        yield _sse({**base, "choices": [choice(None, payload.finish_reason)]})
-                        if p.include_usage:
-                            extra = {"usage": _usage(payload), "spechead": _extra(payload, p.head)}
-                            yield _sse({**base, "choices": [], **extra})
-                    break
-                yield b"data: [DONE]\n\n"
-            finally:  # also runs when the client disconnects (starlette cancels the response task)
-                watcher.cancel()
-                if not finished:
-                    worker.cancel(job, disconnected=not timed_out)
-
-        m.requests.labels(path, "200").inc()
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+def _add_completion_routes(app, worker: DecodeWorker) -> None:
+    """``/v1/chat/completions`` and ``/v1/completions``: each validates its body and prompt, then answers."""
+    from fastapi import Request
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
+        body = await _read_body(request, worker)
         turns = parse_messages(body)
         p = parse_params(body, worker.max_tokens, worker.default_head)  # validate everything before tokenizing
         try:
@@ -222,11 +133,11 @@ def create_app(worker: DecodeWorker):
             raise ApiError(400, str(e), "messages") from e
         worker.check_prompt(ids, "messages")
         p.prompt_ids = ids
-        return await respond(request, p, chat=True)
+        return await _answer(request, worker, p, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
+        body = await _read_body(request, worker)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
@@ -239,26 +150,166 @@ def create_app(worker: DecodeWorker):
             raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
         worker.check_prompt(ids, "prompt")
         p.prompt_ids = ids
-        return await respond(request, p, chat=False)
+        return await _answer(request, worker, p, chat=False)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": worker.model_name,
-            "object": "model",
-            "created": worker.created,
-            "owned_by": "spechead",
-            "max_model_len": worker.session.max_len,
+
+async def _read_body(request, worker: DecodeWorker) -> dict:
+    """The request's JSON body, checked against ``schema``; a body over ``MAX_BODY_BYTES`` is a 413."""
+    size = request.headers.get("content-length")
+    if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from e
+    return check_body(body, worker.model_name)
+
+
+async def _answer(request, worker: DecodeWorker, p: Params, chat: bool):
+    """Submit the request's job and answer it: one JSON body, or server-sent events when ``p.stream``."""
+    from fastapi.responses import StreamingResponse
+
+    await asyncio.to_thread(worker.check_head, p.head)  # a 400 before any response starts, streamed or not
+    job = Job(p, asyncio.get_running_loop(), worker.timeout)
+    worker.submit(job)
+    # Watch the connection from now on: a client that leaves while its job waits (or before a
+    # stream's first byte) must free its place too. Handlers stop the watcher once they finish.
+    watcher = asyncio.create_task(_watch_disconnect(request, lambda: worker.cancel(job)))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    obj = "chat.completion" if chat else "text_completion"
+    base = {
+        "id": rid,
+        "object": obj + (".chunk" if chat and p.stream else ""),
+        "created": int(time.time()),
+        "model": worker.model_name,
+    }
+    path = request.url.path
+    if not p.stream:
+        return await _json_answer(worker, job, watcher, base, path, chat)
+    worker.metrics.requests.labels(path, "200").inc()
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    events = _event_stream(worker, job, watcher, base, chat)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _json_answer(
+    worker: DecodeWorker, job: Job, watcher: asyncio.Task, base: dict[str, Any], path: str, chat: bool
+):
+    """The non-streamed answer: the job's text deltas joined into one JSON body once it finishes.
+
+    An error (504 on timeout) is raised for the error handler; a job that times out or whose handler is
+    cancelled leaves the worker.
+    """
+    from fastapi.responses import JSONResponse
+
+    m = worker.metrics
+    pieces: list[str] = []
+    finished = False
+    try:
+        while True:
+            kind, payload = await _next_event(job)
+            if kind == "text":
+                pieces.append(payload)
+                continue
+            finished = kind == "done" or payload.status != 504
+            if kind == "error":
+                if payload.status == 504:
+                    m.timeouts.inc()
+                raise payload
+            break
+    finally:
+        watcher.cancel()
+        if not finished:  # timed out, or this handler was cancelled
+            worker.cancel(job, disconnected=False)
+    out: Outcome = payload
+    text = "".join(pieces)
+    ch = (
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
         }
+        if chat
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+    )
+    m.requests.labels(path, "200").inc()
+    return JSONResponse({**base, "choices": [ch], "usage": _usage(out), "spechead": _extra(out, job.params.head)})
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    """One streamed chunk's choice: a chat delta (the first one names the role) or a completion's text."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+async def _event_stream(
+    worker: DecodeWorker, job: Job, watcher: asyncio.Task, base: dict[str, Any], chat: bool
+) -> AsyncIterator[bytes]:
+    """The streamed answer as SSE frames: text chunks, the finish (and usage if asked for), then ``[DONE]``.
+
+    Headers are sent already, so an error travels as an event; a job that times out or whose client
+    disconnects leaves the worker.
+    """
+    m = worker.metrics
+    p = job.params
+    finished = timed_out = False
+    try:
+        if chat:
+            yield _sse({**base, "choices": [_choice(chat, None, None, first=True)]})
+        while True:
+            kind, payload = await _next_event(job)
+            if kind == "text":
+                yield _sse({**base, "choices": [_choice(chat, payload, None)]})
+                continue
+            timed_out = kind == "error" and payload.status == 504
+            finished = not timed_out
+            if kind == "error":
+                if timed_out:
+                    m.timeouts.inc()
+                yield _sse(payload.body())  # headers are gone: errors travel as an event
+            else:
+                yield _sse({**base, "choices": [_choice(chat, None, payload.finish_reason)]})
+                if p.include_usage:
+                    extra = {"usage": _usage(payload), "spechead": _extra(payload, p.head)}
+                    yield _sse({**base, "choices": [], **extra})
+            break
+        yield b"data: [DONE]\n\n"
+    finally:  # also runs when the client disconnects (starlette cancels the response task)
+        watcher.cancel()
+        if not finished:
+            worker.cancel(job, disconnected=not timed_out)
+
+
+def _model_card(worker: DecodeWorker) -> dict[str, Any]:
+    """The served model in the OpenAI model-object shape, with its context length."""
+    return {
+        "id": worker.model_name,
+        "object": "model",
+        "created": worker.created,
+        "owned_by": "spechead",
+        "max_model_len": worker.session.max_len,
+    }
+
+
+def _add_info_routes(app, worker: DecodeWorker) -> None:
+    """``/v1/models`` (and one model by id), ``/health`` (503 once the worker is down) and ``/metrics``."""
+    from fastapi.responses import JSONResponse, Response
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [_model_card(worker)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != worker.model_name:
             raise ApiError(404, f"model {model_id!r} not found", "model", "model_not_found")
-        return model_card()
+        return _model_card(worker)
 
     @app.get("/health")
     async def health():
@@ -272,10 +323,8 @@ def create_app(worker: DecodeWorker):
 
     @app.get("/metrics")
     async def metrics():
-        data, ctype = m.render()
+        data, ctype = worker.metrics.render()
         return Response(data, media_type=ctype)
-
-    return app
 
 
 def build_worker(args) -> DecodeWorker:
