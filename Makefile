@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-one lint bench test-vllm
+.PHONY: setup demo test test-one lint bench vllm-setup test-vllm
 setup: $(VENV)/.installed
 
 # torch==2.13.0 is pinned first so the CPU wheel is used where the machine provides it; set
@@ -19,14 +19,17 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/spechead demo
 
-# The suite once per kernel path this CPU can take (each build the CPU runs, widest first, then none):
-# a test may skip what a path cannot run, never pin which path a CPU gets. Tests marked `once` (their result
-# cannot depend on the path) run on the first path only. `make test-one` runs one path.
+# The suite once, on the CPU's widest kernel path; then, on every other path it can take (each narrower build,
+# then none), only the tests marked `paths`: those whose result can depend on the kernel path (the kernels, the
+# row-count bitwise checks, a few end-to-end greedy checks). A test may skip what a path cannot run, never pin
+# which path a CPU gets. `make test-one` runs the suite once on the default path.
 test: setup
-	$(VENV)/bin/ruff check spechead tests
-	@again=; for path in $$($(PY) -m spechead.kernels --test-paths); do \
-		echo "== $$path"; env $$path $$again $(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 || exit 1; \
-		again=SPECHEAD_TEST_REPEAT=1; \
+	$(VENV)/bin/ruff check spechead tests benchmarks scripts
+	@set -e; first=1; for path in $$($(PY) -m spechead.kernels --test-paths); do \
+		echo "== $$path"; \
+		if [ -n "$$first" ]; then env $$path $(VENV)/bin/pytest -q -p no:cacheprovider --durations=15; \
+		else env $$path $(VENV)/bin/pytest -q -p no:cacheprovider -m paths; fi; \
+		first=; \
 	done
 
 test-one: setup
@@ -52,6 +55,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -e . --no-deps
 	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || apt-get install -y -q libtcmalloc-minimal4 || true
 	touch $@
+
+vllm-setup: $(VLLM_VENV)/.installed
 
 # The demo target is converted once by spechead's own venv (it needs gguf and the model package).
 test-vllm: setup $(VLLM_VENV)/.installed

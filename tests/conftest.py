@@ -17,19 +17,6 @@ from spechead.model.loading import load_target
 os.environ[EVAL_DIR_ENV] = str(Path(__file__).parent / "data" / "eval")
 
 
-def pytest_collection_modifyitems(config, items):
-    """On the second and later kernel paths of `make test` (SPECHEAD_TEST_REPEAT=1), leave out the tests marked
-    `once`: what they check cannot differ between paths, and the first path ran them."""
-    if os.environ.get("SPECHEAD_TEST_REPEAT") != "1":
-        return
-    keep, once = [], []
-    for item in items:
-        (once if item.get_closest_marker("once") else keep).append(item)
-    if once:
-        config.hook.pytest_deselected(items=once)
-        items[:] = keep
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny shapes gain

@@ -75,7 +75,6 @@ def test_seeded_sampling_is_reproducible_and_lossless(spec, ar):
     assert "".join(spec.stream(PROMPTS[0], **kw)) == first[0].text
 
 
-@pytest.mark.once  # refused before any decoding
 @pytest.mark.parametrize(
     "kw, name",
     [
@@ -102,7 +101,6 @@ def test_bad_generation_arguments_name_themselves(spec, kw, name):
     assert not spec.decoder.busy
 
 
-@pytest.mark.once  # refused before the target loads
 @pytest.mark.parametrize(
     "kw, name",
     [

@@ -39,6 +39,7 @@ def prompts_of(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
     [TreeConfig(2, 2, 6, lookup=4), TreeConfig.chain(3), TreeConfig(4, 3, 12), TreeConfig(1, 1, 3, lookup_first=True)],
     ids=str,
 )
+@pytest.mark.paths
 def test_batched_greedy_equals_batch1_autoregressive(tiny_small_vocab_dir, arch, tree):
     """Seven prompts of different lengths and budgets through three lanes: requests join as others leave, and
     every output is the request's own batch-1 AR output (and so is the batched AR decoder's)."""
@@ -127,7 +128,6 @@ def test_a_request_cancelled_while_waiting_reports_its_end(tiny_small_vocab_dir)
     assert batch.last_round == 0 and event.result.stop_reason == "cancelled" and not batch.busy
 
 
-@pytest.mark.once  # the acceptance rule, per request
 def test_batched_sampling_matches_target_distribution(tiny_small_vocab_dir):
     """2,000 seeded requests, eight at a time: the law of the output is the target's (chi-square), and the
     test has power against a slightly different law."""
@@ -167,6 +167,7 @@ def test_bad_requests_are_refused_and_lose_nothing(tiny_small_vocab_dir):
     assert results[0].tokens and rid == 0
 
 
+@pytest.mark.paths
 def test_demo_target_batched_is_lossless(demo_session):
     """The real demo target with its shipped drafter and NanoSpec, four Spec-Bench prompts at once."""
     s = demo_session

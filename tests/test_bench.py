@@ -283,7 +283,6 @@ def test_demo_bench_is_lossless_over_two_turns(demo_session):
     assert nano["per_prompt"][0]["new_tokens"] > 4 and 0 < len(ev["active"]) < nano["rounds"]
 
 
-@pytest.mark.once  # refused before any model loads
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -13,7 +13,6 @@ def run(*args, timeout=300):
     )
 
 
-@pytest.mark.once  # refused before any decoding
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -54,7 +53,6 @@ def test_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
-@pytest.mark.once  # refused by argparse, before anything loads (each of these used to end in a traceback)
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -83,7 +81,6 @@ def test_out_of_range_options_are_usage_errors(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.once
 def test_serve_refuses_a_taken_port_before_loading():
     import socket
 
@@ -95,7 +92,6 @@ def test_serve_refuses_a_taken_port_before_loading():
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
 
 
-@pytest.mark.once
 def test_training_never_writes_over_a_drafter(tmp_path):
     """--out holding a drafter but no run to resume (a shipped drafter's folder, say) is refused before loading."""
     (tmp_path / "model.safetensors").write_bytes(b"weights")
@@ -116,7 +112,6 @@ def test_data_spec_counts_are_positive(tmp_path):
             parse_data_spec(f"{f}:{bad}")
 
 
-@pytest.mark.once
 def test_export_never_writes_over_a_folder(tmp_path):
     """--out naming the drafter being read (or any non-empty folder, or a file) is refused before loading."""
     (tmp_path / "config.json").write_text("{}")
@@ -126,7 +121,6 @@ def test_export_never_writes_over_a_folder(tmp_path):
     assert (tmp_path / "config.json").read_text() == "{}"
 
 
-@pytest.mark.once  # refused at load
 def test_corrupt_drafter_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -8,6 +8,7 @@ from spechead.decoding.session import resolve_drafter
 from spechead.decoding.tree import TreeConfig
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 def test_demo_speculative_is_lossless(demo_session, arch):
     s = demo_session
@@ -20,6 +21,7 @@ def test_demo_speculative_is_lossless(demo_session, arch):
             assert s.decoder(drafter, "full", tree).generate(ids, 20).tokens == reference
 
 
+@pytest.mark.paths
 def test_demo_drafter_is_lossless(demo_session):
     """Whatever drafter ships as the demo default (trained, or random until one ships)."""
     s = demo_session

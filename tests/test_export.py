@@ -117,7 +117,6 @@ def test_cached_export_follows_the_drafters_weights(tiny_dir, tiny_target, tmp_p
         torch.testing.assert_close(exported.checkpoint_state()[k], v)
 
 
-@pytest.mark.once
 def test_a_schedule_becomes_vllms_chain_length_by_batch_size(tiny_dir, tiny_target):
     from spechead.integrations.vllm.compare import Method, parse_schedule, vllm_config
 

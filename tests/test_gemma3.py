@@ -45,6 +45,7 @@ def test_config_layer_types_and_unsupported_models(tiny_gemma3_dir):
             ModelConfig.from_hf(d | bad)
 
 
+@pytest.mark.paths
 def test_bf16_matches_transformers_bf16(tiny_gemma3_dir):
     """In bf16 the (1 + w) norms stay unfolded (Gemma rounds once, after scaling in fp32)."""
     target, _ = load_target(str(tiny_gemma3_dir), dtype=torch.bfloat16)
@@ -96,6 +97,7 @@ def test_incremental_decoding_matches_full_forward_past_the_window(tiny_gemma3_d
     assert torch.allclose(torch.stack(steps), full[13:], atol=1e-5)
 
 
+@pytest.mark.paths
 def test_tree_verification_and_compaction_keep_the_window(tiny_gemma3_dir):
     """Branches of depth 4 (half the window) verified in one forward equal each branch decoded alone; after
     moving the accepted branch into place, decoding continues exactly as if it had been decoded token by token."""
@@ -122,6 +124,7 @@ def test_tree_verification_and_compaction_keep_the_window(tiny_gemma3_dir):
     assert torch.allclose(after, ref[17:], atol=1e-5)
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("tree", [TreeConfig(3, 3, 10), TreeConfig.chain(5), TreeConfig(2, 3, 8, lookup=5)], ids=str)
 def test_speculative_greedy_equals_autoregressive(tiny_gemma3_small_vocab_dir, tree):
     """A 4-token window: every round's tree crosses the window's edge. A random drafter is rarely right, so the

@@ -333,7 +333,6 @@ class Alternating(Guard):
             self.ar_left, self.lean = 1, not self.lean
 
 
-@pytest.mark.once  # the guard chooses modes; the law is the acceptance rule's
 def test_sampling_law_is_unchanged(tiny_small_vocab_dir):
     cfg = SamplingConfig(1.0)
     dec = make_decoder(tiny_small_vocab_dir, tree="8x1x12")

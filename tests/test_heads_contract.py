@@ -60,6 +60,7 @@ def test_topk_equals_brute_force_through_a_request(name, weight):
         head.observe(tree, torch.randn(6, V, generator=g), tree[:2].tolist())
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_equals_autoregressive(name, target):
     drafter = random_drafter(target, "eagle2", seed=4)
@@ -71,6 +72,7 @@ def test_greedy_equals_autoregressive(name, target):
     assert [dec.generate(p, 16).tokens for p in prompts] == want
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("name", NAMES)
 def test_batched_greedy_equals_autoregressive(name, target):
     """Batched (three requests at a time, five of different lengths joining as others leave): each request's

@@ -132,6 +132,7 @@ def test_adversarial_stream_never_overflows_and_reset(policy):
     assert head.stats()["rounds"] == 0 and head.dropped == 0 and head.evicted == 0
 
 
+@pytest.mark.paths
 @pytest.mark.skipif(not kernels.available(), reason="the C++ set update needs spechead's kernels")
 @pytest.mark.parametrize("policy", ["stop", "lru"])
 @pytest.mark.parametrize("reduced", [False, True])
@@ -316,6 +317,7 @@ LOSSLESS_SPECS = [
 ]
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("spec", LOSSLESS_SPECS)
 def test_greedy_output_equals_autoregressive(target, spec):
     tgt = target
