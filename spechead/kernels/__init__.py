@@ -1,4 +1,4 @@
-"""CPU kernels for the draft head and the target's few-row steps (``csrc/draft_gemm.cpp``).
+"""CPU kernels for the draft head and the target's few-row steps (``csrc/``).
 
 Every draft head ends in ``logits = h @ W.T`` with a handful of rows in h (the tree's top_k) and
 thousands to 260k rows in W; a decode step and a tree verification are the same shape of product.
@@ -11,16 +11,18 @@ on the row count. ``row_topk`` is the top-k of a few vocabulary-wide rows in one
 optionally fused with the log-softmax and a row -> id map; ``active_set_add`` is NanoSpec's set update
 in one op (``NanoSpecHead._append`` is the reference).
 
-One source, one build per instruction set, each registering its ops under its own namespace
-(``torch.ops.spechead_avx512``, ``spechead_avx2``, ``spechead_generic``): ``avx512`` (AVX-512F),
+The sources (``csrc/``: ``simd.h``, the vector operations in each instruction set; ``ops.h``, the ops'
+declarations; one source per op family, ``gemm.cpp``, ``topk.cpp``, ``attention.cpp``, ``layer.cpp``;
+``register.cpp``, the op schemas) are compiled once per instruction set, each build registering its ops under
+its own namespace (``torch.ops.spechead_avx512``, ``spechead_avx2``, ``spechead_generic``): ``avx512`` (AVX-512F),
 ``avx2`` (AVX2 + FMA: every x86-64 since Haswell and Zen 1) and ``generic`` (portable C++, no
 intrinsics: ARM and older x86; the compiler lowers its vector types for the host, ``-march=native``,
 and the build is keyed by the host's CPU flags). The library uses the widest one the CPU runs;
 ``SPECHEAD_ISA`` forces a narrower one (so an AVX-512 machine tests the other paths),
 ``SPECHEAD_KERNELS=0`` disables them (then ``F.linear`` and tensor ops serve). Each build is compiled
 for the host on first use with torch's C++ extension tooling (10-30 s, then cached under
-``$SPECHEAD_CACHE/kernels/<isa>-<hash>``, the hash covering the source, the flags and the torch
-version). Design and measurements: docs/heads.md, "CPU kernels".
+``$SPECHEAD_CACHE/kernels/<isa>-<hash>``, the hash covering every file of ``csrc``, the flags and the
+torch version). Design and measurements: docs/heads.md, "CPU kernels".
 """
 
 from __future__ import annotations
@@ -36,7 +38,27 @@ import torch
 from torch import Tensor
 
 LANES = 16  # outputs per block of the layout: 64 bytes of fp32
-SOURCE = Path(__file__).parent / "csrc" / "draft_gemm.cpp"
+
+
+class Sources:
+    """The kernel sources in ``folder``: the files compiled (``compiled``) and, as ``read_bytes()``, every
+    file's name and text in name order, headers included. A build's cache key hashes those bytes, as does the
+    tuner's machine fingerprint, so a change to any file rebuilds the kernels."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.folder.iterdir() if p.suffix in (".cpp", ".h"))
+
+    def compiled(self) -> list[Path]:
+        return [p for p in self.files() if p.suffix == ".cpp"]
+
+    def read_bytes(self) -> bytes:
+        return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in self.files())
+
+
+SOURCE = Sources(Path(__file__).parent / "csrc")
 ISAS = ("avx512", "avx2", "generic")  # widest first
 # -ffp-contract=off: no mul+add is fused behind the code's back, so a build's accumulation order is the code's
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -108,7 +130,7 @@ def _build(isa: str) -> Any:
         def compile_(native: bool) -> None:
             load(
                 name=f"{name}_kernels",
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCE.compiled()],
                 extra_cflags=[*_flags(isa, native), f"-DSPECHEAD_NS={name}"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(_build_dir(isa, native)),

@@ -1,0 +1,468 @@
+// rope: the rotary embedding of a few rows; attend: RoPE, the cache write and the attention of a few query rows
+// over a cache lane, as one op, and the plan / run_plans pair the fused layer (layer.cpp) uses to run several
+// requests' attention in one parallel loop.
+//
+// One op for a decode step's or a verification's attention: RoPE on the rows' queries and keys, the keys and
+// values stored at slots [start, start+T) of the cache lane, then each query row (and head) attends over the slots
+// its mask allows. The library's SDPA spends ~0.26 ms a layer on one query row (9 heads over 600 slots, two
+// threads) for work that reads 0.9 MB: a tenth of a step's time; this is its bytes.
+//
+// Row-count property, and why it matters for losslessness: a row's output is computed from the list of slots it
+// may see, in slot order, and nothing else: scores, their maximum, the exponentials' sum and the weighted values
+// are each accumulated in one fixed order over that list, whatever rows, requests and tasks share the call. A tree
+// node sees its committed prefix and its ancestors; were it accepted, the decode step at the same position would
+// see the same keys and values (the projections' kernel is row-count invariant) in the same order, so
+// verification and decoding give bitwise the same hidden state.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "ops.h"
+
+namespace SPECHEAD_NS {
+namespace {
+
+// One head of one row rotated by position: o = a * cos + rotate_half(a) * sin, rotate_half(a) = (-a2, a1) for the
+// halves a1, a2 of the head. The same products and sum as the tensor version (model.apply_rope).
+inline void rope_row(const float* a, const float* c, const float* s, float* o, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) o[i] = a[i] * c[i] + (-a[i + h]) * s[i];
+  for (int64_t i = h; i < D; ++i) o[i] = a[i] * c[i] + a[i - h] * s[i];
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + W <= D; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// The largest of x[0:n]: eight independent running maxima (one chain of n dependent maxes was 5 % of a 16-row
+// call). A maximum is exact whatever the order, so this is the same value a scan gives.
+inline float row_max(const float* x, int64_t n) {
+  float m[8];
+  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) m[u] = std::max(m[u], x[j + u]);
+  for (; j < n; ++j) m[0] = std::max(m[0], x[j]);
+  return *std::max_element(m, m + 8);
+}
+
+// Every 64-byte cache line of n floats from p (a key or value row of 64 floats is four lines: prefetching its first
+// line alone left attention waiting on the other three when the cache lane streams from memory).
+inline void prefetch_floats(const float* p, int64_t n) {
+  for (int64_t off = 0; off < n; off += 16) prefetch(p + off);
+}
+
+// The end of the run of list[from, count) below `slot`: the visible slots of one 64-slot block (the list is sorted).
+inline int64_t slots_before(const int32_t* list, int64_t from, int64_t count, int64_t slot) {
+  return std::lower_bound(list + from, list + count, static_cast<int32_t>(slot)) - list;
+}
+
+constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
+constexpr int64_t kAttnBlock = 64;  // slots whose keys (16 KB at 64 fp32 values a head), then values, sit in L1
+
+// a[0 : NB*W] += p[j] * v[list[j]] for j in [j0, j1), in order, the accumulators in registers meanwhile
+template <int NB>
+inline void weigh_values(const float* v, int64_t D, const int32_t* list, const float* p, int64_t j0, int64_t j1,
+                         float* a) {
+  Vec r[NB];
+  for (int u = 0; u < NB; ++u) r[u] = vload(a + u * W);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* row = v + list[j] * D;
+    if (j + kAttnAhead < j1) prefetch_floats(v + list[j + kAttnAhead] * D, NB * W);
+    const Vec pj = vset1(p[j]);
+    for (int u = 0; u < NB; ++u) r[u] = vfma(pj, vload(row + u * W), r[u]);
+  }
+  for (int u = 0; u < NB; ++u) vstore(a + u * W, r[u]);
+}
+
+// Scores of NQ queries against NS key rows that all of them see: out[i * NS + s] = dot(q_i, k_s) * sc, each sum
+// formed as dot() forms it (W-lane FMA chains over d, then vsum), so a score does not depend on the path that
+// computed it. Each key vector is loaded once for the NQ queries, and the sums are reduced eight at a time.
+template <int NQ, int NS>
+inline void score_tile(const float* const* qp, const float* const* kp, int64_t D, float sc, float* out) {
+  Vec a[NQ * NS];
+  for (int u = 0; u < NQ * NS; ++u) a[u] = vzero();
+  for (int64_t d = 0; d < D; d += W) {
+    Vec kv[NS];
+    for (int s = 0; s < NS; ++s) kv[s] = vload(kp[s] + d);
+    for (int i = 0; i < NQ; ++i) {
+      const Vec qd = vload(qp[i] + d);
+      for (int s = 0; s < NS; ++s) a[i * NS + s] = vfma(qd, kv[s], a[i * NS + s]);
+    }
+  }
+  float r[NQ * NS];
+  vsum_many(a, NQ * NS, r);
+  for (int u = 0; u < NQ * NS; ++u) out[u] = r[u] * sc;
+}
+
+// Keys per score tile for NQ queries: a vsum_many batch of sums (eight with AVX2, sixteen with AVX-512) where the
+// registers allow, a divisor of the 64-slot block.
+template <int NQ>
+constexpr int score_slots() {
+#if defined(SPECHEAD_ISA_AVX512)
+  return NQ == 1 ? 16 : NQ == 2 ? 8 : 4;
+#else
+  return NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
+#endif
+}
+
+// NQ queries that all see slots [s0, s1) of a block: sq[i][j0[i] + s - s0] = their scores against those keys.
+// With `pf`, the keys kAttnAhead slots on (below `end`) are prefetched: a decode step streams the lane.
+template <int NQ>
+void score_block(const float* const* qp, float* const* sq, const int64_t* j0, const float* kh, int64_t D,
+                 int64_t s0, int64_t s1, float sc, bool pf, int64_t end) {
+  constexpr int NS = score_slots<NQ>();
+  float out[NQ * NS];
+  int64_t s = s0;
+  for (; s + NS <= s1; s += NS) {
+    const float* kp[NS];
+    for (int u = 0; u < NS; ++u) kp[u] = kh + (s + u) * D;
+    if (pf)
+      for (int u = 0; u < NS; ++u)
+        if (s + u + kAttnAhead < end) prefetch_floats(kh + (s + u + kAttnAhead) * D, D);
+    score_tile<NQ, NS>(qp, kp, D, sc, out);
+    for (int i = 0; i < NQ; ++i)
+      for (int u = 0; u < NS; ++u) sq[i][j0[i] + s - s0 + u] = out[i * NS + u];
+  }
+  for (; s < s1; ++s) {
+    const float* kp[1] = {kh + s * D};
+    score_tile<NQ, 1>(qp, kp, D, sc, out);
+    for (int i = 0; i < NQ; ++i) sq[i][j0[i] + s - s0] = out[i];
+  }
+}
+
+// acc_i[d : d + NV W] += p_i[s - s0] * v[s][d : d + NV W] for s in [s0, s1), in order, for NQ queries that all
+// see those slots: each value vector is loaded once for all of them; every output is the chain weigh_values forms.
+template <int NQ, int NV>
+inline void weigh_chunk(const float* vh, int64_t D, int64_t d, int64_t s0, int64_t s1, const float* const* p,
+                        float* const* acc, bool pf, int64_t end) {
+  Vec r[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int u = 0; u < NV; ++u) r[i][u] = vload(acc[i] + d + u * W);
+  for (int64_t s = s0; s < s1; ++s) {
+    const float* row = vh + s * D + d;
+    if (pf && s + kAttnAhead < end) prefetch_floats(vh + (s + kAttnAhead) * D, D);
+    Vec v[NV];
+    for (int u = 0; u < NV; ++u) v[u] = vload(row + u * W);
+    for (int i = 0; i < NQ; ++i) {
+      const Vec pj = vset1(p[i][s - s0]);
+      for (int u = 0; u < NV; ++u) r[i][u] = vfma(pj, v[u], r[i][u]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int u = 0; u < NV; ++u) vstore(acc[i] + d + u * W, r[i][u]);
+}
+
+// The weighted values of slots [s0, s1) for NQ queries that all see them, D % W == 0: chunks of the head that
+// give eight independent accumulators (an FMA's latency covered), the first chunk prefetching the rows ahead.
+template <int NQ>
+void weigh_block(const float* vh, int64_t D, int64_t s0, int64_t s1, const float* const* p, float* const* acc,
+                 bool pf, int64_t end) {
+  constexpr int NV = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + NV * W <= D; d += NV * W) weigh_chunk<NQ, NV>(vh, D, d, s0, s1, p, acc, pf && d == 0, end);
+  if constexpr (NV > 4)  // heads narrower than eight vectors (AVX-512's 64-wide heads are four)
+    for (; d + 4 * W <= D; d += 4 * W) weigh_chunk<NQ, 4>(vh, D, d, s0, s1, p, acc, pf && d == 0, end);
+  if constexpr (NV > 2)
+    for (; d + 2 * W <= D; d += 2 * W) weigh_chunk<NQ, 2>(vh, D, d, s0, s1, p, acc, pf && d == 0, end);
+  for (; d < D; d += W) weigh_chunk<NQ, 1>(vh, D, d, s0, s1, p, acc, pf && d == 0, end);
+}
+
+using ScoreBlockFn = void (*)(const float* const*, float* const*, const int64_t*, const float*, int64_t, int64_t,
+                              int64_t, float, bool, int64_t);
+using WeighBlockFn = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*, float* const*, bool,
+                              int64_t);
+constexpr ScoreBlockFn kScoreBlock[4] = {score_block<1>, score_block<2>, score_block<3>, score_block<4>};
+constexpr WeighBlockFn kWeighBlock[4] = {weigh_block<1>, weigh_block<2>, weigh_block<3>, weigh_block<4>};
+
+// The checks of attend's arguments (shapes in the comment of plan_attend, ops.h); returns the mask's data, null
+// where the rows are causal.
+const bool* check_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t lane,
+                         int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from) {
+  const int64_t T = q.size(0), D = cos.size(1);
+  TORCH_CHECK(D > 0 && D % 2 == 0, "attend: the head size must be even");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
+                    t->size(1) % D == 0 && t->device().is_cpu(),
+                "attend: q, k, v must be fp32 [T, heads * ", D, "] CPU rows with unit inner stride");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "attend: cos and sin must be contiguous [T, D] fp32");
+  for (const at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->dim() == 4 && t->size(3) == D && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "attend: the caches must be contiguous fp32 [lanes, kv_heads, max_len, D]");
+  const int64_t KV = k_cache.size(1), L = k_cache.size(2), end = start + T;
+  TORCH_CHECK(k.size(1) == KV * D && v.size(1) == KV * D && v_cache.sizes() == k_cache.sizes(),
+              "attend: k / v rows must hold the cache's ", KV, " heads");
+  TORCH_CHECK(q.size(1) / D % KV == 0, "attend: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(0 <= lane && lane < k_cache.size(0) && 0 <= kv_from && kv_from <= start && end <= L,
+              "attend: lane or slots out of range");
+  if (!mask.has_value()) return nullptr;
+  const int64_t S = end - kv_from;
+  TORCH_CHECK(mask->dim() == 2 && mask->size(0) == T && mask->size(1) == S && mask->scalar_type() == at::kBool &&
+                  mask->is_contiguous(),
+              "attend: mask must be a contiguous bool [T, ", S, "]");
+  return mask->data_ptr<bool>();
+}
+
+// Each row's visible slots of [kv_from, kv_from + S), in slot order: seen[t * S + c] for c < count[t].
+void list_visible(const bool* pm, int64_t T, int64_t S, int64_t kv_from, int32_t* seen, int64_t* count) {
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (pm ? pm[t * S + s] : s <= S - T + t) seen[t * S + c++] = static_cast<int32_t>(kv_from + s);
+    TORCH_CHECK(c > 0, "attend: query row ", t, " sees no slot");
+    count[t] = c;
+  }
+}
+
+// One task's queries, up to 8 of key/value head g: each one's row, head, visible-slot count and list, row of
+// scores and roped query, and its cursor in its list (walk moves it).
+struct Task {
+  const AttendPlan& pl;
+  int64_t g = 0, nq = 0;
+  const float* kh = nullptr;  // the head's keys and values in the cache lane
+  const float* vh = nullptr;
+  bool together = false;  // D % W == 0: the shared-load path's shapes; else every query on its own
+  int64_t row[8], head[8], count[8], at[8];
+  const int32_t* list[8];
+  float* score[8];
+  const float* q[8];
+
+  Task(const AttendPlan& plan, int64_t task) : pl(plan) {
+    g = task / pl.tasks_per_g;
+    const int64_t q0 = task % pl.tasks_per_g * pl.per_task;
+    nq = std::min(pl.per_task, pl.per_g - q0);
+    kh = pl.kc + g * pl.L * pl.D;
+    vh = pl.vc + g * pl.L * pl.D;
+    together = pl.D % W == 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t t = (q0 + i) / pl.group, n = g * pl.group + (q0 + i) % pl.group;
+      row[i] = t, head[i] = n, count[i] = pl.count[t], list[i] = pl.seen.get() + t * pl.S;
+      score[i] = pl.scores.get() + (t * pl.N + n) * pl.padded;
+      q[i] = pl.pq + (t * pl.N + n) * pl.D;
+    }
+  }
+};
+
+// The slots block by block; in each, the queries that see all of it in groups of up to four,
+// group(queries, count, b0, b1, first), then each other query over its part of its list, one(i, j0, j1).
+// Every query's cursor in its list starts at 0 and ends past its last visible slot.
+template <typename Group, typename One>
+void walk(Task& t, Group&& group, One&& one) {
+  for (int64_t i = 0; i < t.nq; ++i) t.at[i] = 0;
+  for (int64_t b0 = t.pl.kv_from; b0 < t.pl.end; b0 += kAttnBlock) {
+    const int64_t b1 = std::min(b0 + kAttnBlock, t.pl.end);
+    int64_t full[8], nfull = 0, ends[8];
+    bool whole[8];
+    for (int64_t i = 0; i < t.nq; ++i) {
+      ends[i] = slots_before(t.list[i], t.at[i], t.count[i], b1);
+      whole[i] = t.together && ends[i] - t.at[i] == b1 - b0;
+      if (whole[i]) full[nfull++] = i;
+    }
+    for (int64_t f = 0; f < nfull; f += 4) group(full + f, std::min<int64_t>(4, nfull - f), b0, b1, f == 0);
+    for (int64_t i = 0; i < t.nq; ++i) {
+      if (!whole[i]) one(i, t.at[i], ends[i]);
+      t.at[i] = ends[i];
+    }
+  }
+}
+
+// The task's scores; eight slots at once where they fill a group (independent FMA chains), each slot's sum formed
+// as dot() forms it.
+void score_task(Task& t) {
+  const int64_t D = t.pl.D, end = t.pl.end;
+  const float sc = t.pl.sc;
+  walk(
+      t,
+      [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
+        const float* qp[4];
+        float* sp[4];
+        int64_t jp[4];
+        for (int64_t u = 0; u < m; ++u) qp[u] = t.q[qs[u]], sp[u] = t.score[qs[u]], jp[u] = t.at[qs[u]];
+        kScoreBlock[m - 1](qp, sp, jp, t.kh, D, b0, b1, sc, first, end);
+      },
+      [&](int64_t i, int64_t j, int64_t j1) {
+        const int32_t* list = t.list[i];
+        if (t.together)
+          for (; j + 8 <= j1; j += 8) {
+            const float* kr[8];
+            for (int u = 0; u < 8; ++u) kr[u] = t.kh + list[j + u] * D;
+            if (i == 0 && j + kAttnAhead + 8 <= t.count[i])  // a step streams the lane from memory: rows well ahead
+              for (int u = 0; u < 8; ++u) prefetch_floats(t.kh + list[j + kAttnAhead + u] * D, D);
+            score_tile<1, 8>(t.q + i, kr, D, sc, t.score[i] + j);
+          }
+        for (; j < j1; ++j) t.score[i][j] = dot(t.q[i], t.kh + list[j] * D, D) * sc;
+      });
+}
+
+// The scores turned into softmax weights in place: exp(score - max), summed in list order; inv[i] = 1 / sum.
+void softmax_task(const Task& t, float* inv) {
+  for (int64_t i = 0; i < t.nq; ++i) {
+    float* score = t.score[i];
+    const int64_t c = t.count[i];
+    float mx = row_max(score, c);
+    for (int64_t j = c; j < t.pl.padded; ++j) score[j] = mx;  // exp(0) in the padding, never summed
+    Vec vs = vzero();
+    const Vec neg = vset1(-mx);
+    int64_t j = 0;
+    for (; j + W <= c; j += W) {
+      const Vec e = vexp_nonpositive(vadd(vload(score + j), neg));
+      vstore(score + j, e);
+      vs = vadd(vs, e);
+    }
+    float sum = vsum(vs);
+    if (j < c) {
+      vstore(score + j, vexp_nonpositive(vadd(vload(score + j), neg)));
+      for (; j < c; ++j) sum += score[j];
+    }
+    inv[i] = 1.0f / sum;
+  }
+}
+
+// The weighted values into acc (query i at acc[i * D]), each output accumulated in slot order.
+void weigh_task(Task& t, std::vector<float>& acc) {
+  const int64_t D = t.pl.D, end = t.pl.end;
+  const float* vh = t.vh;
+  acc.assign(t.pl.per_task * D, 0.0f);
+  walk(
+      t,
+      [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
+        const float* pp[4];
+        float* ap[4];
+        for (int64_t u = 0; u < m; ++u) pp[u] = t.score[qs[u]] + t.at[qs[u]], ap[u] = acc.data() + qs[u] * D;
+        kWeighBlock[m - 1](vh, D, b0, b1, pp, ap, first, end);
+      },
+      [&](int64_t i, int64_t j0, int64_t j1) {
+        const int32_t* list = t.list[i];
+        const float* p = t.score[i];
+        float* ai = acc.data() + i * D;
+        int64_t d = 0;
+        for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, p, j0, j1, ai + d);
+        for (; d + 4 * W <= D; d += 4 * W) weigh_values<4>(vh + d, D, list, p, j0, j1, ai + d);
+        for (; d + W <= D; d += W) weigh_values<1>(vh + d, D, list, p, j0, j1, ai + d);
+        for (; d < D; ++d)  // heads narrower than a vector (small test models)
+          for (int64_t j = j0; j < j1; ++j) ai[d] += p[j] * vh[list[j] * D + d];
+      });
+}
+
+}  // namespace
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rope: x must be a contiguous [T, N, D] fp32 CPU tensor");
+  const int64_t T = x.size(0), N = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0, "rope: the head size must be even");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "rope: cos and sin must be contiguous [T, D] fp32");
+  at::Tensor y = at::empty_like(x);
+  const float* px = x.data_ptr<float>();
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) rope_row(px + (t * N + n) * D, pc + t * D, ps + t * D, py + (t * N + n) * D, D);
+  return y;
+}
+
+AttendPlan plan_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
+                       const std::optional<at::Tensor>& mask, int64_t kv_from, double scale, float* po,
+                       int64_t min_tasks) {
+  const bool* pm = check_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from);
+  const int64_t T = q.size(0), D = cos.size(1), N = q.size(1) / D, KV = k_cache.size(1), L = k_cache.size(2);
+  const int64_t end = start + T, S = end - kv_from;
+  // RoPE and the cache write (keys roped, values as they are), then the queries roped into a scratch
+  float* kc = k_cache.data_ptr<float>() + lane * KV * L * D;
+  float* vc = v_cache.data_ptr<float>() + lane * KV * L * D;
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < KV; ++g) {
+      const int64_t slot = (g * L + start + t) * D;
+      rope_row(k.data_ptr<float>() + t * k.stride(0) + g * D, pc + t * D, ps + t * D, kc + slot, D);
+      std::memcpy(vc + slot, v.data_ptr<float>() + t * v.stride(0) + g * D, D * sizeof(float));
+    }
+  AttendPlan pl;
+  pl.qr = at::empty({T, N, D}, q.options());
+  float* pq = pl.qr.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n)
+      rope_row(q.data_ptr<float>() + t * q.stride(0) + n * D, pc + t * D, ps + t * D, pq + (t * N + n) * D, D);
+  pl.seen.reset(new int32_t[T * S]);
+  pl.count.resize(T);
+  list_visible(pm, T, S, kv_from, pl.seen.get(), pl.count.data());
+  // A task takes up to 8 queries of one key/value head (the rows x heads of its group) and walks the slots in
+  // blocks of kAttnBlock: each block's keys, then its values, are read from memory once for all the task's
+  // queries and stay in L1 while they use them. The queries that see the whole block (a committed prefix) go
+  // through it together, up to four per key and value load; the others (a tree's own slots, a window's edge)
+  // one by one over their lists. Both give a query the same arithmetic, which does not depend on its task.
+  // Fewer queries a task where there would be fewer than min_tasks (a decode step's 3 x 3 queries on 2 threads).
+  const int64_t group = N / KV, padded = (S + W - 1) / W * W, per_g = T * group;
+  int64_t per_task = std::min<int64_t>(8, per_g);
+  while (per_task > 1 && KV * ((per_g + per_task - 1) / per_task) < min_tasks) per_task = (per_task + 1) / 2;
+  pl.scores.reset(new float[T * N * padded]);
+  pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = kv_from, pl.end = end;
+  pl.group = group, pl.padded = padded, pl.per_g = per_g, pl.per_task = per_task;
+  pl.tasks_per_g = (per_g + per_task - 1) / per_task;
+  pl.sc = static_cast<float>(scale), pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;
+  return pl;
+}
+
+void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
+  Task t(*this, task);
+  score_task(t);
+  float inv[8];
+  softmax_task(t, inv);
+  weigh_task(t, acc);
+  for (int64_t i = 0; i < t.nq; ++i) {
+    float* o = po + (t.row[i] * N + t.head[i]) * D;
+    const float* ai = acc.data() + i * D;
+    const Vec iv = vset1(inv[i]);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) vstore(o + d, vfma(vload(ai + d), iv, vzero()));
+    for (; d < D; ++d) o[d] = ai[d] * inv[i];
+  }
+}
+
+// Every plan's tasks in one parallel loop: a batch of one-row decode steps is many small requests, each too
+// small to keep the threads busy on its own.
+void run_plans(const std::vector<AttendPlan>& plans) {
+  std::vector<int64_t> first(plans.size() + 1, 0);  // plans[p]'s tasks are [first[p], first[p + 1]) of the loop
+  for (size_t p = 0; p < plans.size(); ++p) first[p + 1] = first[p] + plans[p].tasks();
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc;
+    size_t p = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+    for (int64_t task = t0; task < t1; ++task) {
+      while (task >= first[p + 1]) ++p;
+      plans[p].run_task(task - first[p], acc);
+    }
+  });
+}
+
+// One request alone: its queries split finer where that still gives every thread two tasks.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                  const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
+                  const std::optional<at::Tensor>& mask, int64_t kv_from, double scale) {
+  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
+  std::vector<AttendPlan> plans;
+  plans.push_back(plan_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from, scale,
+                              out.data_ptr<float>(), 2 * at::get_num_threads()));
+  run_plans(plans);
+  return out;
+}
+
+}  // namespace SPECHEAD_NS
