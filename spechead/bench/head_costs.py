@@ -70,7 +70,7 @@ def _lowrank(weight: Tensor, vocab_size: int, settings: BenchSettings, gen: torc
     """Random factors: an SVD of a random [V, d] matrix takes minutes and does not change the cost."""
     V, d = weight.shape
     r = settings.rank or default_rank(d)
-    factors = LowRankLinear.from_random(d, V, r, generator=gen, dtype=weight.dtype)
+    factors = LowRankLinear.from_random(d, V, r, generator=gen, dtype=weight.dtype, device=weight.device)
     return [BenchCase(f"lowrank:{r}", f"lowrank:{r}", LowRankHead(factors, None, vocab_size))]
 
 

@@ -14,6 +14,8 @@ How it measures, and why:
   so every round pays a real gather.
 - Heads are interleaved within each repeat (noise from other processes hits all of them alike),
   after one warm-up round each.
+- On a CUDA device (``--device cuda``) the weights, the flush buffer (twice the L2 cache) and the copy meter live
+  on the device, and every timed span ends with ``torch.cuda.synchronize``.
 
 Which cases each head gets and the bytes and FLOPs its calls move: ``bench.head_costs``.
 """
@@ -45,17 +47,65 @@ SHAPES = {  # (d, V) of the paper's targets, the demo and Gemma 3 270M (the real
     "gemma3-270m": (640, 262144),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+CPU = torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a wall-clock span covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache a flush must evict: the CPU's LLC, or a CUDA device's L2."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    return llc_bytes()
 
 
 class Flusher:
     """Evicts the caches by reading a buffer twice the last-level cache (a no-op with ``hot``)."""
 
-    def __init__(self, hot: bool) -> None:
-        self.buf = None if hot else torch.ones(min(2 * llc_bytes(), 2**30) // 4)
+    def __init__(self, hot: bool, device: torch.device = CPU) -> None:
+        self.buf = None if hot else torch.ones(min(2 * cache_bytes(device), 2**30) // 4, device=device)
 
     def __call__(self) -> None:
         if self.buf is not None:
             self.buf.sum()
+
+
+class DeviceCopyMeter(CopyMeter):
+    """``CopyMeter`` on a CUDA device: the buffers live there, and each timed copy or sum is synchronised."""
+
+    def __init__(self, device: torch.device, nbytes: int = 1024 * 2**20) -> None:
+        self.device, self.nbytes, self.samples = device, nbytes, []
+        self.src = torch.ones(nbytes // 4, device=device)
+        self.dst = torch.empty_like(self.src)
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def sample(self) -> float:
+        gbps = 2 * self.nbytes / self._timed(lambda: self.dst.copy_(self.src)) / 1e9
+        self.samples.append(gbps)
+        return gbps
+
+    def start(self, repeats: int = 7) -> dict[str, float]:
+        self.sample()
+        copy = statistics.median(self.sample() for _ in range(repeats))
+        self._timed(self.src.sum)
+        read = self.nbytes / statistics.median(self._timed(self.src.sum) for _ in range(repeats)) / 1e9
+        self.samples.clear()
+        return {"copy_GBps": copy, "read_GBps": read, "buffer_MB": self.nbytes / 2**20}
+
+
+def copy_meter(device: torch.device) -> CopyMeter:
+    """The copy-bandwidth meter for the device the heads run on."""
+    return DeviceCopyMeter(device) if device.type == "cuda" else CopyMeter()
 
 
 class GemmRate:
@@ -66,17 +116,19 @@ class GemmRate:
     reachable. This rate gives the compute floor; the roofline floor is the larger of the two.
     """
 
-    def __init__(self, d: int, dtype: torch.dtype, rows: int = 512) -> None:
-        self.lin = PackedLinear((torch.randn(rows, d) * 0.02).to(dtype))
-        self.rows, self.d, self.dtype = rows, d, dtype
+    def __init__(self, d: int, dtype: torch.dtype, rows: int = 512, device: torch.device = CPU) -> None:
+        self.lin = PackedLinear((torch.randn(rows, d) * 0.02).to(device=device, dtype=dtype))
+        self.rows, self.d, self.dtype, self.device = rows, d, dtype, device
         self.samples: dict[int, list[float]] = {}
 
     def sample(self, B: int, calls: int = 10) -> float:
-        h = torch.randn(B, self.d).to(self.dtype)
+        h = torch.randn(B, self.d).to(device=self.device, dtype=self.dtype)
         self.lin(h)
+        synchronize(self.device)
         t0 = time.perf_counter()
         for _ in range(calls):
             self.lin(h)
+        synchronize(self.device)
         rate = 2 * B * self.rows * self.d * calls / (time.perf_counter() - t0) / 1e9
         self.samples.setdefault(B, []).append(rate)
         return rate
@@ -170,22 +222,23 @@ class RoundFeeder:
 
 def time_case(case: Timed, h: Tensor, k: int, flush: Flusher, args) -> float:
     """Milliseconds per draft call for one repeat (cold caches before every call unless --hot)."""
-    head = case.head
+    head, dev = case.head, h.device
+
+    def timed(fn: Callable[[], object]) -> float:
+        flush()
+        synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(dev)
+        return time.perf_counter() - t0
+
     if not case.head.per_round:
-        flush()
-        t0 = time.perf_counter()
-        head.topk(h, k)
-        return (time.perf_counter() - t0) * 1e3
+        return timed(lambda: head.topk(h, k)) * 1e3
     tree, logits, committed = case.feeder.round(h.dtype)
-    flush()
-    t0 = time.perf_counter()
-    head.observe(tree, logits, committed)
-    parts = [time.perf_counter() - t0]
+    logits = logits.to(dev)
+    parts = [timed(lambda: head.observe(tree, logits, committed))]
     for _ in range(args.calls_per_round):
-        flush()
-        t0 = time.perf_counter()
-        head.topk(h, k)
-        parts.append(time.perf_counter() - t0)
+        parts.append(timed(lambda: head.topk(h, k)))
     rest = parts[2:]
     case.rounds.setdefault(h.shape[0], []).append(
         (parts[0] * 1e3, parts[1] * 1e3, sum(rest) * 1e3 / len(rest) if rest else 0.0)
@@ -194,11 +247,25 @@ def time_case(case: Timed, h: Tensor, k: int, flush: Flusher, args) -> float:
 
 
 @torch.inference_mode()
-def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Flusher, meter: CopyMeter) -> dict:
-    d, V = SHAPES[shape]
+def bench_shape(
+    shape: str,
+    batches: list[int],
+    dtype_name: str,
+    args,
+    flush: Flusher,
+    meter: CopyMeter,
+    device: torch.device = CPU,
+    dims: tuple[int, int] | None = None,
+    deadline: float | None = None,
+) -> dict:
+    """Every head at ``shape`` (or at ``dims`` = (d, V) under that name) on ``device``. With ``deadline`` (a
+    ``time.perf_counter()`` value), the batches after the first not started by then are skipped and listed in the
+    result (``skipped_batches``)."""
+    d, V = dims or SHAPES[shape]
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(args.seed)
-    W = (torch.randn(V, d, generator=gen) * 0.02).to(dtype)
+    wgen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
+    W = (torch.randn(V, d, generator=wgen, device=device) * 0.02).to(dtype)
     settings = settings_of(args)
     cases, skipped = build_cases(W, V, settings, gen)
     for c in cases:
@@ -208,12 +275,16 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
             c.head.begin(c.feeder.prompt, None)
             if hasattr(c.head, "state"):
                 c.feeder.settle(c.head.state()[0].cpu())
-    rate = GemmRate(d, dtype)
+    rate = GemmRate(d, dtype, device=device)
     for c in cases:
         c.timings = {B: [] for B in batches}
     evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.head.per_round}
+    skipped_batches = []
     for B in batches:
-        h = torch.randn(B, d, generator=gen).to(dtype)
+        if deadline is not None and B != batches[0] and time.perf_counter() > deadline:
+            skipped_batches.append(B)
+            continue
+        h = torch.randn(B, d, generator=gen).to(device=device, dtype=dtype)
         for c in cases:  # warm-up
             time_case(c, h, args.k, flush, args)
         for c in cases:
@@ -223,6 +294,7 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
             rate.sample(B)
             for c in cases:
                 c.timings[B].append(time_case(c, h, args.k, flush, args))
+    batches = [B for B in batches if B not in skipped_batches]
     gbps = meter.median()
     out = {
         "d": d,
@@ -233,6 +305,8 @@ def bench_shape(shape: str, batches: list[int], dtype_name: str, args, flush: Fl
         "heads": {},
         "skipped": skipped,
     }
+    if skipped_batches:
+        out["skipped_batches"] = skipped_batches
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
     for c in cases:
         rows = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from spechead import kernels
-from spechead.bench.heads import DTYPES, SHAPES, CopyMeter, Flusher, bench_shape, cpu_bars, gemm_variants
+from spechead.bench.heads import DTYPES, SHAPES, Flusher, bench_shape, copy_meter, cpu_bars, gemm_variants
 from spechead.cli.args import add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
@@ -46,7 +46,33 @@ def print_table(res: dict) -> None:
         print(f"{name:<18} skipped: {why}")
 
 
+def device_of(spec: str) -> torch.device:
+    """``cpu`` or ``cuda[:N]``, refused when torch sees no such device."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise SpecheadError(f"--device must be cpu or cuda[:N], got {spec!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SpecheadError(f"--device must be cpu or cuda[:N], got {spec!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecheadError("--device cuda: torch sees no CUDA device")
+    return device
+
+
+def draft_gemm(device: torch.device) -> str:
+    """What computes the heads' products: spechead's CPU kernel where it runs, else ``F.linear`` (on a GPU the CPU
+    kernels are not even built)."""
+    if device.type != "cpu":
+        return f"F.linear on {device.type}"
+    if kernels.available():
+        return f"spechead kernel ({kernels.active_isa()})"
+    return f"fallback: {kernels.unavailable_reason()}"
+
+
 def cmd_bench_heads(args) -> int:
+    device = device_of(args.device)
+    if args.gemm_variants and device.type != "cpu":
+        raise SpecheadError("--gemm-variants compares the CPU's GEMM paths: run it with --device cpu")
     shapes = [s for s in args.shape.split(",") if s]
     for s in shapes:
         if s not in SHAPES:
@@ -59,9 +85,10 @@ def cmd_bench_heads(args) -> int:
     batches = _ints(args.batch, "--batch")
     if args.new_per_round > args.nodes:
         raise SpecheadError("--new-per-round cannot exceed --nodes (new ids enter through the nodes' top-k)")
-    flush = Flusher(args.hot)
-    meter = CopyMeter()
+    flush = Flusher(args.hot, device)
+    meter = copy_meter(device)
     bw = meter.start()
+    cache = "L2" if device.type == "cuda" else "LLC"
     load0 = os.getloadavg()
     report = {
         "config": {
@@ -71,11 +98,10 @@ def cmd_bench_heads(args) -> int:
             "cores": os.cpu_count(),
             "llc_MB": llc_bytes() / 2**20,
             "torch": torch.__version__,
-            "draft_gemm": f"spechead kernel ({kernels.active_isa()})"
-            if kernels.available()
-            else f"fallback: {kernels.unavailable_reason()}",
+            "draft_gemm": draft_gemm(device),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cache": "hot" if args.hot else "cold (LLC flushed before every call)",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "cache": "hot" if args.hot else f"cold ({cache} flushed before every call)",
             "repeats": args.repeats,
             "k": args.k,
             "calls_per_round": args.calls_per_round,
@@ -86,13 +112,14 @@ def cmd_bench_heads(args) -> int:
         "machine": {k: round(v, 2) for k, v in bw.items()},
         "shapes": {},
     }
+    where = f"{report['config']['device']}; " if device.type == "cuda" else ""
     print(
-        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}); kernels: {report['config']['draft_gemm']}; "
+        f"{where}{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}); kernels: {report['config']['draft_gemm']}; "
         f"copy bandwidth {bw['copy_GBps']:.1f} GB/s (read {bw['read_GBps']:.1f}); {torch.get_num_threads()} threads"
     )
     for s in shapes:
         meter.samples.clear()
-        res = bench_shape(s, batches, args.dtype, args, flush, meter)
+        res = bench_shape(s, batches, args.dtype, args, flush, meter, device)
         res["shape"] = s
         report["shapes"][s] = res
         print_table(res)
@@ -109,7 +136,7 @@ def cmd_bench_heads(args) -> int:
                     for name, v in row["variants"].items():
                         print(f"    {name:<42}{v['ms']:>9.2f} ms {v['x_floor']:>7.2f}x floor {v['GFLOPs']:>7.1f} GF/s")
     report["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    bars = cpu_bars(report)
+    bars = cpu_bars(report) if device.type == "cpu" else {}
     if bars:
         report["bars"] = bars
         for name, b in bars.items():
@@ -141,6 +168,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--nodes", type=positive_int, default=60, help="tree nodes verified per round (their logits feed Ext)"
     )
     p.add_argument("--hot", action="store_true", help="do not flush the caches between calls")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the heads run (cuda flushes its L2)")
     p.add_argument("--gemm-variants", action="store_true", help="also time alternative GEMM calls")
     p.add_argument("--gemm-rows", type=positive_int, default=32768, help="rows of the matrix for --gemm-variants")
     p.add_argument("--seed", type=int, default=0)
