@@ -37,19 +37,20 @@ def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> 
 
 
 class Recorder:
-    """Row counts of the target's verifications and the drafter's catch-up passes (forward pre-hooks)."""
+    """Row counts of the target's verifications (each request's part of ``Transformer.forward_batch`` with a tree
+    mask) and the drafter's catch-up passes (a forward pre-hook: the calls without a mask)."""
 
     def __init__(self, target, drafter) -> None:
         self.verify: list[int] = []
         self.backbone: list[int] = []
-        self.hooks = [
-            target.register_forward_pre_hook(self._target, with_kwargs=True),
-            drafter.register_forward_pre_hook(self._drafter, with_kwargs=True),
-        ]
+        self.target, forward_batch = target, target.forward_batch
 
-    def _target(self, module, args, kwargs) -> None:
-        if kwargs.get("mask") is not None:
-            self.verify.append(int(args[0].shape[0]))
+        def recorded(parts, want_aux=False):
+            self.verify += [int(p.tokens.shape[0]) for p in parts if p.mask is not None]
+            return forward_batch(parts, want_aux)
+
+        target.forward_batch = recorded  # an instance attribute over the method, removed by close()
+        self.hooks = [drafter.register_forward_pre_hook(self._drafter, with_kwargs=True)]
 
     def _drafter(self, module, args, kwargs) -> None:
         mask = args[4] if len(args) > 4 else kwargs.get("mask")
@@ -62,6 +63,7 @@ class Recorder:
         return out
 
     def close(self) -> None:
+        self.target.__dict__.pop("forward_batch", None)
         for h in self.hooks:
             h.remove()
 
