@@ -10,7 +10,6 @@ from spechead.decoding.sampling import SamplingConfig, target_probs
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.heads.full import FullHead
-from spechead.kernels.linear import PackedLinear
 from spechead.model.drafter import random_drafter
 from spechead.model.layers import Segment
 from spechead.model.loading import load_target
@@ -87,20 +86,20 @@ def test_lookup_first_drafts_the_lookups_tokens_in_the_chains_rows(tiny_small_vo
     assert gained >= 3
 
 
+@pytest.mark.paths
 def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):
-    """A 24-row tree lays every projection out for 24 rows: a verification's products are then bitwise those of
-    decode steps, row by row (the kernel's per-row results do not depend on the row count)."""
+    """A 24-row tree's verification products are bitwise those of decode steps, row by row (the kernel's per-row
+    results do not depend on the row count)."""
     if not kernels.available():
         pytest.skip("spechead's kernel is not built on this machine")
     target = make_decoder(tiny_small_vocab_dir, tree=TreeConfig(4, 4, 16, lookup=8)).target
-    layers = [m for m in target.modules() if isinstance(m, PackedLinear)]
-    assert layers and all(m.kind == "kernel" for m in layers)
     x = torch.randn(24, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for m in (target.lm_head, target.model.layers[0].mlp.gate_up_proj):
             assert torch.equal(m(x), torch.cat([m(x[i : i + 1]) for i in range(24)]))
 
 
+@pytest.mark.paths
 def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tiny_dir):
     """The one-op decoder layer computes what the modules do, bitwise; and a tree verification's row is bitwise
     the decode step it stands for (projections, attention and MLP all computing a row on its own)."""
@@ -206,7 +205,7 @@ def chi2_pvalue(samples, law, positions):
     "cfg",
     [
         SamplingConfig(1.0),  # every path: the draft head's probabilities as that path computes them
-        pytest.param(SamplingConfig(1.5, top_p=0.95, top_k=10), marks=pytest.mark.once),  # + the filters' rule
+        SamplingConfig(1.5, top_p=0.95, top_k=10),  # + the filters' rule
     ],
     ids=["t1", "topp-topk"],
 )
@@ -226,7 +225,6 @@ def test_sampling_matches_target_distribution(tiny_small_vocab_dir, cfg):
     assert chi2_pvalue(samples, wrong, [0, 1, 2]) < 1e-3
 
 
-@pytest.mark.once  # the lookup branch and the acceptance rule
 def test_sampling_with_lookup_matches_target_distribution(tiny_small_vocab_dir):
     """Lookup tokens are point-mass drafts like any other: the law of the output is the target's.
 
@@ -277,7 +275,6 @@ def test_a_temperature_near_zero_samples_the_argmax(tiny_small_vocab_dir):
         assert dec.generate([1, 2], 12, SamplingConfig(t, seed=1)).tokens == greedy
 
 
-@pytest.mark.once
 def test_draws_never_share_noise_within_a_request_and_refuse_nan_logits():
     """torch's CPU generator keeps 32 bits of a seed: positions' seeds are a bijection of base + position, so no two
     positions of a request share their noise (hashed 64-bit seeds collided in their low words: seed 0 at positions

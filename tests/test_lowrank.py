@@ -10,7 +10,7 @@ from spechead.errors import SpecheadError
 from spechead.heads.base import fast_topk, make_head, topk_logprobs
 from spechead.heads.lowrank import LowRankHead, LowRankScorer
 from spechead.heads.tokenmaps import save_token_map
-from spechead.kernels.linear import PackedLinear
+from spechead.kernels.linear import PackedLinear, Projection
 from spechead.model.drafter import random_drafter
 from spechead.model.loading import load_target
 from spechead.model.lowrank import LowRankLinear, svd_factors, truncate_factors
@@ -196,19 +196,19 @@ def test_packed_linear_matches_linear_and_heads_use_it(dtype, tmp_path):
 def test_tied_full_head_shares_the_targets_layout_and_a_changed_weight_gets_a_new_one():
     g = torch.Generator().manual_seed(9)
     W = torch.nn.Parameter(torch.randn(4096, 64, generator=g) * 0.02, requires_grad=False)
-    target_head = PackedLinear.from_linear(torch.nn.Linear(64, 4096, bias=False))
-    target_head.weight = W  # a target's tied LM head, laid out as prepack does
-    target_head.pack(8)
+    linear = torch.nn.Linear(64, 4096, bias=False)
+    linear.weight = W
+    laid_out = Projection(linear).layout  # a target's tied LM head, laid out as prepack does
     head = make_head("full", W, None, 4096)
-    assert head.lin.blocked is target_head.blocked and head.extra_bytes() == 0  # one copy of W
+    assert head.lin.blocked is laid_out and head.extra_bytes() == 0  # one copy of W
     h = torch.randn(3, 64, generator=g)
     private = PackedLinear(W.detach().clone())  # another tensor: its own layout, the same arithmetic
-    assert private.blocked is not target_head.blocked and not private.shares_layout
+    assert private.blocked is not laid_out and not private.shares_layout
     assert torch.equal(head.lin(h), private(h))
     with torch.no_grad():
         W.mul_(2.0)  # changed in place (a head being trained): the old layout must not serve it
     again = PackedLinear(W)
-    assert again.blocked is not target_head.blocked and not again.shares_layout
+    assert again.blocked is not laid_out and not again.shares_layout
     torch.testing.assert_close(again(h), torch.nn.functional.linear(h, W), rtol=1e-4, atol=1e-5)
     with torch.inference_mode():  # an inference tensor keeps no version counter: laid out, never shared
         Wi = torch.randn(4096, 64, generator=g)

@@ -6,7 +6,7 @@ from conftest import write_tiny_llama
 
 from spechead import kernels
 from spechead.errors import SpecheadError
-from spechead.kernels.linear import PackedLinear, mkl_packing_available
+from spechead.kernels.linear import Projection
 from spechead.model.layers import causal_mask
 from spechead.model.loading import load_target
 
@@ -102,44 +102,46 @@ def test_corrupt_weights(tiny_dir, tmp_path):
         load_target(str(bad))
 
 
-def check_prepacked_logits(tiny_dir) -> PackedLinear:
-    """Laying the weights out for few-row products changes speed only: same logits (1e-5), ties kept."""
+@pytest.mark.paths
+def test_prepacked_logits_match_the_modules(tiny_dir):
+    """Putting the projections on the kernel changes speed only: same logits (1e-5), the state dict's names and
+    tied weights kept. Where no build runs, the model keeps its modules."""
     target, _ = load_target(str(tiny_dir))
     target.setup_cache(64)
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(2))
+    names = set(target.state_dict())
     with torch.inference_mode():
         ref = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
-        assert target.prepack(4)
+        assert target.prepack(4) == kernels.available()
         got = [target(ids[:16], 0).logits, target(ids[16:20], 16).logits, target(ids[16:19], 16).logits]
-    assert isinstance(target.lm_head, PackedLinear)
+    assert isinstance(target.lm_head, Projection) == kernels.available() and set(target.state_dict()) == names
     if target.config.tie_word_embeddings:
         assert target.lm_head.weight is target.model.embed_tokens.weight
     for a, b in zip(ref, got, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
-    return target.lm_head
 
 
-@pytest.mark.skipif(not kernels.available(), reason="spechead's draft-GEMM kernel is unavailable here")
-def test_kernel_projections_match_linear_and_do_not_depend_on_row_count(tiny_dir):
-    """With the kernel, one layout serves every row count, and a row's outputs are bitwise the same alone
-    (a decode step) or among others (a verification): each output is accumulated in one fixed order."""
-    head = check_prepacked_logits(tiny_dir)
-    assert head.blocked is not None and not head.packed
-    x = torch.randn(9, head.weight.shape[1], generator=torch.Generator().manual_seed(3))
+@pytest.mark.paths
+@pytest.mark.skipif(not kernels.available(), reason="spechead's kernel is unavailable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projections_rows_do_not_depend_on_the_row_count(dtype):
+    """The row-count property through ``Projection``: at every row count from 1 to 64, each row's result is bitwise
+    its 1-row call's, outside a prefill and inside one up to its prefill reach; the bias and the input's dtype
+    are kept."""
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(96, 80, bias=True).to(dtype)
+    proj = Projection(linear)
+    x = torch.randn(64, 96, generator=g).to(dtype)
     with torch.inference_mode():
-        together = head(x)
-        assert all(torch.equal(head(x[i : i + 1])[0], together[i]) for i in range(9))
+        for prefill in (False, True):
+            rows = min(64, proj.prefill_rows) if prefill else 64
+            alone = torch.cat([proj(x[i : i + 1], prefill) for i in range(rows)])
+            assert alone.dtype == dtype
+            torch.testing.assert_close(alone.float(), linear(x[:rows]).float(), rtol=2e-2, atol=2e-2)
+            for m in range(1, rows + 1):
+                assert torch.equal(proj(x[:m], prefill), alone[:m]), (prefill, m)
 
 
-@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
-def test_mkl_packed_projections_match_linear(tiny_dir, monkeypatch):
-    """Without the kernels (SPECHEAD_KERNELS=0, no compiler), MKL packing at the verification size."""
-    monkeypatch.setattr(kernels, "supports", lambda weight: False)
-    head = check_prepacked_logits(tiny_dir)
-    assert head.blocked is None and 4 in head.packed
-
-
-@pytest.mark.once  # GGUF parsing only
 def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
     """The demo's GGUF converted to the same weights as the cached folder, with one parse of the file (transformers
     asks for three: Gemma 3's vocabulary makes each cost minutes)."""
@@ -163,12 +165,12 @@ def test_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.paths
 def test_a_prompt_takes_the_same_path_however_wide_the_layouts(tmp_path):
-    """A batched decoder lays the target out for batch x tree rows (hundreds): a prompt of that many tokens
-    took the kernel there and F.linear under AR's layout, so the batched server's text could start from other
-    bits than `spechead generate`'s. A prompt's projections now take a path that depends on its length only;
-    a verification's rows, and the LM head's at any count, take the kernel."""
-    # wide enough (K = 256) that the kernel's and MKL's sums differ in their last bits
+    """A prompt's bits depend on its length only, never on the tree or batch a decoder laid the target out for
+    (a batched server's text starts from `spechead generate`'s); the LM head's rows and a verification's rows take
+    the kernel at any row count."""
+    # wide enough (K = 256) that the kernel's and the library GEMM's sums differ in their last bits
     target, _ = load_target(str(write_tiny_llama(tmp_path, vocab=256, layers=2, hidden=256)))
     target.setup_cache(400)
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4))
@@ -183,7 +185,10 @@ def test_a_prompt_takes_the_same_path_however_wide_the_layouts(tmp_path):
             # one, on which the first token is chosen: on the kernel the LM head's rows are a decode step's at any
             # row count (F.linear's are not: without the kernel no path is bitwise across row counts)
             assert torch.equal(target(ids, 0, logits_rows=slice(-1, None)).logits[-1], wide.logits[-1])
-            # outside a prompt, 300 rows take the widened kernel: each row as alone
+            # outside a prompt, 300 rows take the kernel: each row as alone
             h = wide.hidden
             together = target.lm_head(h)
             assert all(torch.equal(target.lm_head(h[i : i + 1])[0], together[i]) for i in (0, 150, 299))
+            qkv = target.model.layers[0].self_attn.qkv_proj
+            together = qkv(h)
+            assert all(torch.equal(qkv(h[i : i + 1])[0], together[i]) for i in (0, 150, 299))

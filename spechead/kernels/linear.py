@@ -1,12 +1,22 @@
-"""The one few-row linear layer (``PackedLinear``): the blocked-layout kernel where it runs, MKL's packed GEMM
-where only that does, else F.linear; ``BlockedWeight`` is the kernel's weight layout it (and NanoSpec) use."""
+"""Few-row linear products on spechead's kernel: ``BlockedWeight`` (the kernel's weight layout and product),
+``Projection`` (a model's ``nn.Linear`` on it) and ``PackedLinear`` (a draft head's frozen product on it).
+
+A draft head (a handful of rows), a target's decode step (1 row) and a tree verification (4-16 rows, more when
+requests share a round) are the same product, which should cost the bytes of W; library GEMMs repack or
+re-tile the weight per call at so few rows. Where no kernel build runs (no compiler, ``SPECHEAD_KERNELS=0``,
+other devices), every product is ``F.linear``.
+
+Lossless speculation rests on one property of the kernel, stated and tested with ``BlockedWeight``: a row's
+result bits do not depend on how many rows share the call. Without the kernel no product has that property (a
+library GEMM picks its tiling by row count, MKL's packed GEMM included), so there a verification's logits agree
+with the decode steps' to fp32 rounding only: greedy output is the target's AR output except where two logits
+tie within that rounding. What holds on both paths: every call's path is a function of its own arguments, so a
+prompt's prefill gives the same bits under AR, any tree and any batch, and so do decode steps.
+"""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -15,26 +25,18 @@ from torch import Tensor, nn
 from spechead import kernels
 from spechead.kernels import LANES
 
-_PROMPT = ContextVar("spechead_prompt_rows", default=False)
-
-
-@contextmanager
-def prompt_rows() -> Iterator[None]:
-    """Calls made inside take the path a prompt of their row count takes however wide the layouts were made
-    (the kernel up to its dtype's default reach, else F.linear): a prompt's KV and logits then do not depend on
-    the tree or batch a decoder laid the target out for, so AR, a tree and a batched server start from the same
-    bits. Decode steps and verifications stay outside: their rows must take the kernel to match each other."""
-    token = _PROMPT.set(True)
-    try:
-        yield
-    finally:
-        _PROMPT.reset(token)
-
 
 class BlockedWeight:
     """``x @ W.T`` (float32 result) for a [N, K] weight held in the kernel's blocked layout, with room
     for ``capacity`` rows; rows can be rewritten in place (``write``) and a call can use only the first
     ``n`` rows. Falls back to a plain row-major copy and ``F.linear`` where the kernel is unavailable.
+
+    The row-count property: ``draft_linear`` accumulates every output in fp32 in one fixed order (one chain of
+    FMAs over k, ``csrc/gemm.cpp``) whatever the number of rows in the call, so row i of an m-row call is bitwise
+    the 1-row call on x[i] for any m. A verification's rows are then bitwise the decode steps they stand
+    for, and a request's rows in a batched round those it gets alone: greedy speculation reproduces the
+    target's AR output token for token. tests/test_kernels.py checks it for 1..64 rows on every build the CPU
+    runs. ``F.linear`` (the fallback) has no such property: library GEMMs choose their tiling by row count.
     """
 
     def __init__(self, weight: Tensor, capacity: int | None = None) -> None:
@@ -125,156 +127,108 @@ def _version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def mkl_packing_available() -> bool:
-    """Whether this torch has MKL's packed GEMM (a private op: used only where it exists)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+class Projection(nn.Module):
+    """A model's ``nn.Linear`` on the kernel: ``linear``'s own parameters (shared, so tied weights stay tied and
+    the state dict keeps its names) and their blocked layout (one more copy of W); the result in the input's
+    dtype. ``Transformer.prepack`` and ``Drafter.prepack`` swap one in for each ``nn.Linear`` whose weight a
+    kernel build takes.
+
+    Which path a call takes is a function of its arguments alone (``on_kernel``):
+
+    * ``F.linear`` under autograd (the model still trains) and for input that is not 2-D;
+    * ``F.linear`` for a prompt's prefill (``prefill=True``) of more than ``PREFILL_ROWS`` rows, where the library
+      GEMM is the faster: a prompt's bits then depend on its length only, so AR, a tree and a batched server
+      start from the same prompt state;
+    * the kernel for every other call, at any row count: decode steps, verifications, batched rounds and the LM
+      head over any rows, whose rows are then bitwise those of a decode step (``BlockedWeight``).
+
+    A weight changed in place since it was laid out (a drafter trained after a decoder laid it out) gets a new
+    layout at the next call.
+    """
+
+    # a prefill's rows on the kernel. fp32: a prefill of 64 / 200 tokens of the demo target took 120 / 374 ms on
+    # it against 244 / 503 ms on F.linear (MKL sgemm; AMD EPYC Zen 4, 2 threads). bf16: oneDNN's bf16 GEMM
+    # overtakes it past 16 rows on CPUs with bf16 dot products (64 rows of the demo head: 18.9 ms on the kernel,
+    # 11.9 on F.linear, same machine)
+    PREFILL_ROWS = {torch.float32: 256, torch.bfloat16: 16}
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.prefill_rows = self.PREFILL_ROWS[self.weight.dtype]
+        self._layout = BlockedWeight.of(self.weight)
+        self._laid_out = (self.weight, _version(self.weight))  # the tensor and version the layout holds
+
+    @property
+    def layout(self) -> BlockedWeight:
+        """The weight's blocked layout, rebuilt where the weight was replaced or changed in place since."""
+        w = self.weight
+        if self._laid_out[0] is not w or self._laid_out[1] != _version(w):
+            self._layout, self._laid_out = BlockedWeight.of(w), (w, _version(w))
+        return self._layout
+
+    def on_kernel(self, x: Tensor, prefill: bool = False) -> bool:
+        """Whether a call on ``x`` takes the kernel (see the class docstring)."""
+        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
+            return False
+        return x.dim() == 2 and (not prefill or x.shape[0] <= self.prefill_rows)
+
+    def forward(self, x: Tensor, prefill: bool = False) -> Tensor:
+        if not self.on_kernel(x, prefill):
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        y = self.layout(x)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+def prepack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> bool:
+    """Swap a ``Projection`` in for every ``nn.Linear`` of ``model`` (but those under the submodule names in
+    ``skip``) whose weight a kernel build takes; the parameters are shared, so the state dict keeps its names and
+    autograd still sees the plain product. Returns whether the model has any projection on the kernel (False on
+    other devices and where no build runs). Idempotent."""
+    for name, child in list(model.named_modules()):
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        if isinstance(child, nn.Linear) and kernels.supports(child.weight):
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, Projection(child))
+    return any(isinstance(m, Projection) for m in model.modules())
 
 
 class PackedLinear(nn.Module):
-    """``x @ W.T (+ b)`` for few rows against many: every draft head's product and the target's projections.
+    """A draft head's product ``x @ W.T`` (float32 result) over a frozen weight: the kernel at any row count where
+    it runs for W (the plain weight is then dropped: one copy of W), ``F.linear`` on the plain weight elsewhere
+    and below ``MIN_NUMEL``. A weight that is a laid-out target's LM head (a tied head) shares its layout
+    (``BlockedWeight.of``: ``shares_layout``)."""
 
-    Why one layer: a draft head (a handful of rows) and a target's decode step (1 row) or tree verification
-    (4-16 rows) are the same product, which should cost the bytes of W. Library GEMMs are not with so few rows
-    (MKL's sgemm repacks the whole weight on every few-row call: verifying 8 tokens cost 2.1x a decode step on
-    the 2-core CPU, docs/results.md "Verification cost"). The paths, first that applies:
-
-    * spechead's blocked-layout kernel (``BlockedWeight``) wherever a build runs (every x86-64 and, portably,
-      elsewhere): one copy of W serves any row count, and each output is accumulated in one order whatever the
-      row count, so a token's logits are bitwise the same in a decode step and in a verification;
-    * MKL's packed GEMM at the row counts ``pack`` was given (kernels off: ``SPECHEAD_KERNELS=0``, no compiler;
-      fp32 on a torch that has the op): ~0.7x the time of ``F.linear`` for a 4-16 token verification of
-      the demo target on the 2-core CPU;
-    * ``F.linear`` (other devices, tiny head matrices, longer inputs such as a prefill).
-
-    Two uses, two constructors. ``PackedLinear(weight)``: a frozen head product with a float32 result, the
-    kernel for every call (the plain weight is then dropped: one copy of W either way), ``F.linear`` below
-    ``MIN_NUMEL``. ``PackedLinear.from_linear(linear)``: a stand-in for a target's or a drafter's ``nn.Linear``
-    (same parameters, shared so tied weights stay tied and the state dict keeps its names; result in the input's
-    dtype), with the kernel for up to ``KERNEL_ROWS`` rows once ``pack`` has laid the weight out (one more copy of
-    it); under autograd it is the plain product, and a weight changed in place gets its layouts rebuilt.
-    """
-
-    # a target projection: longer inputs (prefill) use F.linear, unless ``pack`` was asked for more rows (a large
-    # tree or a batched decoder's verification: the kernel keeps their logits bitwise those of a decode step).
-    # fp32 weights keep the kernel up to 256 rows: a prefill of 64 / 200 tokens of the demo target took 120 / 374 ms
-    # on it against 244 / 503 ms on F.linear (MKL sgemm; AMD EPYC Zen 4, 2 threads); bf16 leaves it at 16 rows,
-    # where oneDNN's bf16 GEMM overtakes it on CPUs with bf16 dot products (64 rows of the demo head: 18.9 ms on
-    # the kernel, 11.9 on F.linear, same machine)
-    KERNEL_ROWS = 16
-    KERNEL_ROWS_FP32 = 256
     MIN_NUMEL = 1 << 16  # a head below this: the kernel's fixed cost (transposing x, forking threads) beats the gain
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, shared: bool = False) -> None:
+    def __init__(self, weight: Tensor) -> None:
         super().__init__()
         self.shape, self.dtype = weight.shape, weight.dtype
+        self.weight: Tensor | None = None
         self.blocked: BlockedWeight | None = None
         self.shares_layout = False  # the layout was already built for the same tensor (``BlockedWeight.of``)
-        self.packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight
-        # the kernel serves calls of up to this many rows (None: every call)
-        reach = self.KERNEL_ROWS_FP32 if weight.dtype == torch.float32 else self.KERNEL_ROWS
-        self.max_rows = reach if shared else None
-        self.prompt_rows = self.max_rows  # a prompt's reach (``prompt_rows``): never widened by ``pack``
-        # a target's LM head: every call on the kernel, whatever its rows, so a prompt's last row gives AR's
-        # bits even when a head asks for many prompt rows (``Transformer.prepack`` sets it)
-        self.every_row = False
-        self.out_dtype = None if shared else torch.float32  # None: the input's dtype
-        if shared:  # a model's projection (``from_linear``)
-            self.weight, self.bias = weight, bias
-            self._laid_out = _version(weight)  # the weight's version its layouts were built from
-            return
-        self.weight: Tensor | None = None
-        self.bias = bias
         if weight.numel() >= self.MIN_NUMEL and kernels.supports(weight):
-            self.shares_layout = BlockedWeight.shared(weight) is not None  # a tied head: the target's layout
+            self.shares_layout = BlockedWeight.shared(weight) is not None
             self.blocked = BlockedWeight.of(weight)
         else:
             self.weight = weight.detach().contiguous()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        """A target's projection: ``linear``'s own parameters (shared, so tied weights stay tied), laid out for
-        few rows by ``pack``."""
-        return cls(linear.weight, linear.bias, shared=True)
-
-    def pack(self, rows: int) -> None:
-        """Lay the weight out for ``rows``-row products: the kernel's layout (it serves every row count up to
-        ``KERNEL_ROWS`` or ``rows``, whichever is more) where a build runs, else MKL's packing at exactly ``rows``
-        rows (fp32)."""
-        w = self.weight
-        if kernels.supports(w):
-            if self.blocked is None:
-                self.blocked = BlockedWeight.of(w)
-            if self.max_rows is not None:
-                self.max_rows = max(self.max_rows, rows)
-        elif rows >= 2 and rows not in self.packed and mkl_packing_available() and w.dtype == torch.float32:
-            self.packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
-
     @property
     def kind(self) -> str:
-        """Which path serves the calls it was laid out for: ``kernel``, ``mkl`` or ``linear``."""
-        return "kernel" if self.blocked is not None else "mkl" if self.packed else "linear"
+        """Which path its calls take: ``kernel`` or ``linear``."""
+        return "kernel" if self.blocked is not None else "linear"
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the plain weight (if kept) plus every layout of it."""
-        held = [self.weight, *self.packed.values()] if self.weight is not None else list(self.packed.values())
-        n = sum(t.numel() * t.element_size() for t in held)
-        return n + (self.blocked.nbytes if self.blocked is not None else 0)
-
-    def _layouts_current(self, x: Tensor) -> bool:
-        """A model's projection may be one being trained (a drafter a decoder laid out, trained afterwards): under
-        autograd it takes F.linear, and a weight changed in place since its layouts were built gets them rebuilt."""
+        """Bytes held: the layout, or the plain weight."""
         w = self.weight
-        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
-            return False
-        if _version(w) != self._laid_out:
-            rows = sorted(self.packed)
-            self.blocked, self.packed, self._laid_out = None, {}, _version(w)
-            for r in rows or [1]:
-                self.pack(r)
-        return True
-
-    def takes_kernel(self, rows: int) -> bool:
-        """Whether a call of ``rows`` rows runs on the kernel: up to the widened reach, a prompt's rows up to
-        the default one (``prompt_rows``), every call for a head's own product or the target's LM head."""
-        if self.blocked is None:
-            return False
-        reach = None if self.every_row else self.prompt_rows if _PROMPT.get() else self.max_rows
-        return reach is None or rows <= reach
+        return self.blocked.nbytes if self.blocked is not None else w.numel() * w.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.max_rows is not None and not self._layouts_current(x):  # (a head's own product never trains)
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-        if self.blocked is not None and (self.max_rows is None or x.dim() == 2) and self.takes_kernel(x.shape[0]):
-            y = self.blocked(x)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.to(self.out_dtype or x.dtype)
-        # (looked up only when MKL packing is in use: a dict lookup by a traced row count makes
-        # torch.compile specialise on it and recompile for every prompt length)
-        packed = self.packed.get(x.shape[0]) if self.packed and x.dim() == 2 and not _PROMPT.get() else None
-        if packed is not None:
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(self.out_dtype or x.dtype)
-
-
-def prepack_linears(model: nn.Module, probe: Tensor, rows: int, skip: tuple[str, ...] = ()) -> bool:
-    """Every ``nn.Linear`` of ``model`` (but those under the submodule names in ``skip``) as a ``PackedLinear``
-    sharing its parameters (the state dict keeps its names; autograd still sees the plain product), laid out for
-    ``rows``-row products: spechead's kernel for any row count where a build runs for ``probe``'s kind of weight,
-    else MKL's packing at ``rows`` rows (fp32). Returns whether a layout applies (False on other devices, or with
-    neither). Idempotent."""
-    if probe.device.type != "cpu":
-        return False
-    if not kernels.supports(probe) and (rows < 2 or probe.dtype != torch.float32 or not mkl_packing_available()):
-        return False
-    for name, child in list(model.named_modules()):
-        if any(name == s or name.startswith(s + ".") for s in skip):
-            continue
-        if isinstance(child, nn.Linear):
-            parent_name, _, attr = name.rpartition(".")
-            child = PackedLinear.from_linear(child)
-            setattr(model.get_submodule(parent_name), attr, child)
-        if isinstance(child, PackedLinear):
-            child.pack(rows)
-    return True
+        if self.blocked is not None:
+            return self.blocked(x)
+        return F.linear(x.to(self.dtype), self.weight).float()

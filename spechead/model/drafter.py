@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from spechead.errors import SpecheadError
 from spechead.kernels.linear import prepack_linears
 from spechead.model.config import ModelConfig
-from spechead.model.layers import Block, KVCache, RMSNorm, Rotary, Segment
+from spechead.model.layers import Block, KVCache, Linear, RMSNorm, Rotary, Segment, is_prefill
 from spechead.model.loading import read_safetensors, read_safetensors_file
 from spechead.model.lowrank import LowRankLinear
 from spechead.model.transformer import TargetOutput, Transformer
@@ -65,13 +65,13 @@ class Drafter(nn.Module):
         self.layer.self_attn.cache = kv
 
     def prepack(self, rows: int) -> bool:
-        """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``).
-        On F.linear (MKL's sgemm) one pass of the demo drafter (16.8 MB of fp32 weights) took 2.1-3.2 ms at 1-8
-        rows right after a target step, against 1.2-1.4 ms laid out (AMD EPYC Zen 4, 2 threads;
-        results/bench/step-cost/drafter_pass.py): 1-2 ms of a 20-25 ms round, every round. The parameters and the
-        state dict stay as they are, so a laid-out drafter still trains and saves; its own LM head (EAGLE-3) is the
-        draft head's to lay out, not this."""
-        return prepack_linears(self, self.fc.weight, rows, skip=("lm_head",))
+        """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``;
+        ``rows`` changes nothing). On F.linear (MKL's sgemm) one pass of the demo drafter (16.8 MB of fp32
+        weights) took 2.1-3.2 ms at 1-8 rows right after a target step, against 1.2-1.4 ms laid out (AMD EPYC
+        Zen 4, 2 threads): 1-2 ms of a 20-25 ms round, every round. The parameters and the state dict stay as they
+        are, so a laid-out drafter still trains and saves; its own LM head (EAGLE-3) is the draft head's to lay
+        out, not this."""
+        return prepack_linears(self, skip=("lm_head",))
 
     # -- what each architecture defines -------------------------------------------------------
     def target_features(self, out: TargetOutput) -> Tensor:
@@ -169,7 +169,7 @@ class Eagle2Drafter(Drafter):
     def __init__(self, cfg: ModelConfig, embed: nn.Embedding) -> None:
         super().__init__(cfg, embed)
         d = cfg.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=bool(cfg.extra.get("bias", True)))
+        self.fc = Linear(2 * d, d, bias=bool(cfg.extra.get("bias", True)))
         self.layers = nn.ModuleList([Block(cfg, input_norm=False)])
         self._fitted: FittedHead | None = None  # not a submodule: not in the state dict, not moved by .to()
 
@@ -209,9 +209,10 @@ class Eagle2Drafter(Drafter):
     def forward(
         self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
     ) -> Tensor:
-        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1))
+        prefill = is_prefill(start)
+        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1), prefill)
         cos, sin = self.rotary(positions)
-        return self.layer(x, x, cos, sin, start, mask)
+        return self.layer(x, x, cos, sin, start, mask, prefill=prefill)
 
     def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
         return target.lm_head.weight, None
@@ -225,7 +226,7 @@ class Eagle3Drafter(Drafter):
         d = cfg.hidden_size
         target_d = cfg.extra.get("target_hidden_size", d)
         self.draft_vocab_size = cfg.extra.get("draft_vocab_size", cfg.vocab_size)
-        self.fc = nn.Linear(3 * target_d, d, bias=False)
+        self.fc = Linear(3 * target_d, d, bias=False)
         self.midlayer = Block(cfg, attn_in=2 * d, input_norm=True)
         self.midlayer.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -254,13 +255,14 @@ class Eagle3Drafter(Drafter):
     def forward(
         self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
     ) -> Tensor:
+        prefill = is_prefill(start)
         h = feats.to(self.fc.weight.dtype)
         if h.shape[-1] != self.config.hidden_size:  # target features are fused; recycled ones are not
-            h = self.fc(h)
+            h = self.fc(h, prefill)
         layer = self.midlayer
         attn_in = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(h)], dim=-1)
         cos, sin = self.rotary(positions)
-        return layer(h, attn_in, cos, sin, start, mask)
+        return layer(h, attn_in, cos, sin, start, mask, prefill=prefill)
 
     def head_input(self, h: Tensor) -> Tensor:
         return self.norm(h)

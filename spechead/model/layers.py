@@ -70,6 +70,14 @@ class ScaledEmbedding(nn.Embedding):
         return x if self.scale == 1.0 else x * torch.tensor(self.scale, dtype=x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose calls say whether they are part of a prompt's prefill, as the kernel's ``Projection``
+    (which ``Transformer.prepack`` swaps in) takes them; the plain product is the same either way."""
+
+    def forward(self, x: Tensor, prefill: bool = False) -> Tensor:
+        return super().forward(x)
+
+
 def _needs_grad(*ts: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
@@ -177,6 +185,12 @@ class Segment:
     kv_from: int = 0
 
 
+def is_prefill(start: int | Sequence[Segment]) -> bool:
+    """Whether rows at ``start`` (a slot, or a batched call's segments) are a prompt's prefill: every request's
+    rows start at slot 0. A decode step, a verification or a draft continues a cache."""
+    return start == 0 if isinstance(start, int) else all(s.start == 0 for s in start)
+
+
 KERNEL_ROWS = 128  # query rows a request may have for the kernel's attention (past it: a prefill, on SDPA)
 
 
@@ -192,17 +206,17 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(d_in, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(d_in, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.cache: KVCache | None = None
 
     def fuse(self) -> None:
         """Inference only: one [q; k; v] matrix, so a decode step makes one GEMV instead of three."""
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         b = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        self.qkv_proj = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+        self.qkv_proj = Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
         self.qkv_proj.weight = nn.Parameter(w, requires_grad=False)
         if b is not None:
             self.qkv_proj.bias = nn.Parameter(b, requires_grad=False)
@@ -216,16 +230,18 @@ class Attention(nn.Module):
         start: int | Sequence[Segment],
         mask: Tensor | None = None,
         kv_from: int = 0,
+        prefill: bool = False,
     ) -> Tensor:
         """x: [T, d_in] for slots [start, start+T). mask: bool [T, start+T] (True = attend) or None (causal).
         ``kv_from``: a sliding-window layer reads only slots [kv_from, start+T) (``mask`` then has that width).
-        ``start`` may instead be the segments of a batched forward (each with its own slots, mask and lane)."""
+        ``start`` may instead be the segments of a batched forward (each with its own slots, mask and lane).
+        ``prefill``: the rows are a prompt's prefill (``is_prefill``), which the projections' path depends on."""
         t, hd = x.shape[0], self.head_dim
         segments = [Segment(0, t, start, mask, 0, kv_from)] if isinstance(start, int) else start
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+            q, k, v = self.qkv_proj(x, prefill).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x, prefill), self.k_proj(x, prefill), self.v_proj(x, prefill)
         if hasattr(self, "q_norm"):
             q = self.q_norm(q.reshape(t * self.n_heads, hd)).view(t, -1)
             k = self.k_norm(k.reshape(t * self.n_kv, hd)).view(t, -1)
@@ -237,12 +253,12 @@ class Attention(nn.Module):
                 for s in segments
                 for r in [slice(s.row0, s.row0 + s.t)]
             ]
-            return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+            return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs), prefill)
         qk = apply_rope(torch.cat([q, k], dim=-1).view(t, self.n_heads + self.n_kv, hd), cos[:, None], sin[:, None])
         q, k = qk.transpose(0, 1).split([self.n_heads, self.n_kv], dim=0)
         k, v = k.unsqueeze(0), v.view(t, self.n_kv, hd).transpose(0, 1).unsqueeze(0)
         outs = [self._attend(q, k, v, s) for s in segments]
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs), prefill)
 
     def _kernel_attends(self, x: Tensor, segments: Sequence[Segment]) -> bool:
         """Decode steps, verifications and drafting (up to ``KERNEL_ROWS`` rows a request) take the kernel's
@@ -291,28 +307,28 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def fuse(self) -> None:
         """Inference only: one [gate; up] matrix (one GEMV instead of two per decode step)."""
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
         del self.gate_proj, self.up_proj
 
     def act(self, gate: Tensor) -> Tensor:
         return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, prefill: bool = False) -> Tensor:
         if hasattr(self, "gate_up_proj"):
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj(x, prefill)
             if not self.gelu and kernel_rows(gate_up):  # one pass, and what the fused decoder layer computes
-                return self.down_proj(kernels.ops().silu_mul(gate_up))
+                return self.down_proj(kernels.ops().silu_mul(gate_up), prefill)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up, prefill)
+        return self.down_proj(self.act(self.gate_proj(x, prefill)) * self.up_proj(x, prefill), prefill)
 
 
 class Block(nn.Module):
@@ -343,10 +359,11 @@ class Block(nn.Module):
         start: int | Sequence[Segment],
         mask: Tensor | None = None,
         kv_from: int = 0,
+        prefill: bool = False,
     ) -> Tensor:
-        a = self.self_attn(attn_input, cos, sin, start, mask, kv_from)
+        a = self.self_attn(attn_input, cos, sin, start, mask, kv_from, prefill)
         if self.sandwich:
             h = x + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), prefill))
         h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), prefill)

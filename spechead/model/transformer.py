@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from spechead import kernels
-from spechead.kernels.linear import PackedLinear, prepack_linears, prompt_rows
+from spechead.kernels.linear import Projection, prepack_linears
 from spechead.model.config import ModelConfig
 from spechead.model.layers import (
     KERNEL_ROWS,
@@ -20,6 +20,7 @@ from spechead.model.layers import (
     Segment,
     bool_mask,
     causal_mask,
+    is_prefill,
     kernel_rows,
 )
 
@@ -101,14 +102,11 @@ class Transformer(nn.Module):
         return self
 
     def prepack(self, rows: int) -> bool:
-        """Lay out every projection for few-row products: spechead's kernels (any row count up to 16) where
-        a build runs, else MKL packing at ``rows`` rows (the verification size; fp32 only). Returns whether a
-        layout applies. Idempotent; see ``kernels.linear.PackedLinear`` for why."""
+        """Every projection and the LM head on spechead's kernel where a build runs for their weights
+        (``kernels.linear.Projection``); returns whether they are. One layout serves every row count, so ``rows``
+        (the decoder's largest verification) changes nothing. Idempotent."""
         self._fused = None
-        laid_out = prepack_linears(self, self.lm_head.weight, rows)
-        if isinstance(self.lm_head, PackedLinear):
-            self.lm_head.every_row = True
-        return laid_out
+        return prepack_linears(self)
 
     def window(self, start: int, positions: Tensor, mask: Tensor | None) -> tuple[int, Tensor | None]:
         """The sliding-window layers' view of slots [0, start+T): (first slot read, mask over the slots read).
@@ -134,8 +132,8 @@ class Transformer(nn.Module):
         take the kernel for. One op a layer instead of ~25 Python-level calls; None otherwise."""
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if (
-            not isinstance(qkv, PackedLinear)
-            or not qkv.takes_kernel(x.shape[0])
+            not isinstance(qkv, Projection)
+            or not qkv.on_kernel(x, is_prefill(segments))
             or any(s.t > KERNEL_ROWS for s in segments)
             or not kernel_rows(x)
         ):
@@ -164,13 +162,13 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
-            if not all(isinstance(li, PackedLinear) and li.blocked is not None for li in lin) or a.cache is None:
+            if not all(isinstance(li, Projection) for li in lin) or a.cache is None:
                 return []
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps)
             if layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset:
                 return []
-            weights = tuple(li.blocked.data for li in lin)
-            widths = [li.blocked.rows for li in lin]
+            weights = tuple(li.layout.data for li in lin)
+            widths = [li.out_features for li in lin]
             args.append((*norms, *weights, widths, (a.cache.k, a.cache.v), a.scale or cfg.head_dim**-0.5))
         return args
 
@@ -197,15 +195,12 @@ class Transformer(nn.Module):
         """Several requests' rows in one forward, each on its own cache lane: every projection (and the LM head)
         runs once over all rows, attention once per request as in ``forward``, so each part's output is what
         ``forward`` would give it alone (bitwise, where the projections' kernel runs: its results do not
-        depend on the row count). A call whose parts all start at slot 0 is a prompt's prefill: its projections
-        take the path a prompt of its length takes whatever the layouts' width (``kernels.linear.prompt_rows``),
-        so a prompt gives the same bits under AR, any tree and any batch (decoders prefill a prompt alone)."""
-        if all(p.start == 0 for p in parts):
-            with prompt_rows():
-                return self._forward_batch(parts, want_aux)
-        return self._forward_batch(parts, want_aux)
+        depend on the row count).
 
-    def _forward_batch(self, parts: list[BatchPart], want_aux: bool) -> list[TargetOutput]:
+        A call whose parts all start at slot 0 is a prompt's prefill (``layers.is_prefill``), and says so to
+        every projection (``prefill``): their path then depends on the prompt's length only, so a prompt gives the
+        same bits under AR, any tree and any batch (decoders prefill a prompt alone). The LM head takes the kernel
+        at any row count, so the last prompt row's logits are AR's however many prompt rows a head asks for."""
         if self.rotary is None:
             raise RuntimeError("call setup_cache() before forward()")
         segments, local_segments, positions, row0 = [], [], [], 0
@@ -229,6 +224,7 @@ class Transformer(nn.Module):
             local_cos, local_sin = self.local_rotary(pos)
         x = self.model.embed_tokens(parts[0].tokens if one else torch.cat([p.tokens for p in parts]))
         aux: dict[int, Tensor] = {}
+        prefill = is_prefill(segments)
         fused = self._fused_layers(x, segments, cos, sin) if self.local_rotary is None else None
         for i, layer in enumerate(self.model.layers):
             if want_aux and i in self.eagle3_layers:
@@ -236,9 +232,9 @@ class Transformer(nn.Module):
             if fused is not None:
                 x = kernels.ops().llama_layer(x, *fused[i])
             elif self.local[i]:
-                x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments)
+                x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments, prefill=prefill)
             else:
-                x = layer(x, layer.input_layernorm(x), cos, sin, segments)
+                x = layer(x, layer.input_layernorm(x), cos, sin, segments, prefill=prefill)
         h = self.model.norm(x)
         fused = torch.cat([aux[i] for i in self.eagle3_layers], dim=-1) if want_aux else None
         if one:
