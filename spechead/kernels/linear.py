@@ -146,10 +146,8 @@ class Projection(nn.Module):
     layout at the next call.
     """
 
-    # a prefill's rows on the kernel. fp32: a prefill of 64 / 200 tokens of the demo target took 120 / 374 ms on
-    # it against 244 / 503 ms on F.linear (MKL sgemm; AMD EPYC Zen 4, 2 threads). bf16: oneDNN's bf16 GEMM
-    # overtakes it past 16 rows on CPUs with bf16 dot products (64 rows of the demo head: 18.9 ms on the kernel,
-    # 11.9 on F.linear, same machine)
+    # a prefill's rows on the kernel: fp32 prefills of a few hundred tokens run faster on it than on sgemm; in bf16
+    # oneDNN's GEMM overtakes it past 16 rows on CPUs with bf16 dot products
     PREFILL_ROWS = {torch.float32: 256, torch.bfloat16: 16}
 
     def __init__(self, linear: nn.Linear) -> None:

@@ -66,11 +66,9 @@ class Drafter(nn.Module):
 
     def prepack(self, rows: int) -> bool:
         """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``;
-        ``rows`` changes nothing). On F.linear (MKL's sgemm) one pass of the demo drafter (16.8 MB of fp32
-        weights) took 2.1-3.2 ms at 1-8 rows right after a target step, against 1.2-1.4 ms laid out (AMD EPYC
-        Zen 4, 2 threads): 1-2 ms of a 20-25 ms round, every round. The parameters and the state dict stay as they
-        are, so a laid-out drafter still trains and saves; its own LM head (EAGLE-3) is the draft head's to lay
-        out, not this."""
+        ``rows`` changes nothing): a drafter pass runs every round at a few rows, where sgemm costs about twice
+        the kernel's time. The parameters and the state dict stay as they are, so a laid-out drafter still trains
+        and saves; its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
         return prepack_linears(self, skip=("lm_head",))
 
     # -- what each architecture defines -------------------------------------------------------
