@@ -43,7 +43,7 @@ def read_gbps() -> float:
 
 
 model = Session.open("demo", 2048).target
-model.prepack(max(rows))
+model.prepack()
 weights = sum(
     p.numel() * p.element_size()
     for n, p in model.named_parameters()

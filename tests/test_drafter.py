@@ -161,7 +161,7 @@ def test_a_laid_out_drafter_drafts_trains_and_saves_as_before(tiny_target, tmp_p
             return d(tokens, feats, 0, pos, None).clone()
 
     names, before = set(d.state_dict()), run()
-    d.prepack(4)
+    d.prepack()
     assert set(d.state_dict()) == names
     torch.testing.assert_close(run(), before, rtol=1e-5, atol=1e-5)
     d.train()

@@ -32,6 +32,7 @@ def make_decoder(folder, arch="eagle2", tree=TREES[0], max_len=256, stop_ids=Non
     return Decoder(target, drafter, FullHead(w, ids, target.config.vocab_size), tree, max_len, stop_ids)
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("tree", TREES, ids=str)
 def test_greedy_equals_autoregressive(tiny_small_vocab_dir, arch, tree):
@@ -129,6 +130,7 @@ def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tin
     assert torch.equal(runs[True][0], runs[False][0])
 
 
+@pytest.mark.paths
 def test_eagle3_on_deeper_target(tiny_dir):
     dec = make_decoder(tiny_dir, "eagle3", TreeConfig(4, 3, 12))
     prompt = torch.arange(10) % 64
@@ -251,6 +253,7 @@ def test_sampling_is_reproducible_with_seed(tiny_small_vocab_dir):
     assert dec.generate([1, 2], 20, cfg).tokens == dec.generate([1, 2], 20, cfg).tokens
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("tree", TREES, ids=str)
 def test_sampled_speculative_output_is_ars_for_the_same_seed(tiny_small_vocab_dir, tree):
     """The draw at a position depends on the seed and the position only, so a seeded sampled request gives AR's

@@ -9,6 +9,8 @@ from spechead import kernels
 from spechead.kernels import LANES
 from spechead.kernels.linear import BlockedWeight
 
+pytestmark = pytest.mark.paths  # every test here checks a kernel path
+
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernels: {kernels.unavailable_reason()}")
 
 

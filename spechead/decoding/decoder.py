@@ -170,14 +170,13 @@ class Decoder:
         self.device = target.lm_head.weight.device
         self.timers = Timers()
         target.setup_cache(self.max_len, max_batch)
-        rows = max((n * t.max_rows for n, t in enumerate(shapes, 1)), default=1) if drafter is not None else 1
-        target.prepack(max(rows, max_batch))  # every row of the largest round on the kernel, as rows at batch 1
+        target.prepack()  # every row of every round on the kernel, bitwise as the row alone
         self._make_head: Callable[[], DraftHead] | None = None
         self._shared: DraftHead | None = None
         self._lane_heads: dict[int, DraftHead] = {}
         if drafter is not None:
             drafter.setup_cache(self.max_len + max((t.drafter_slots for t in shapes), default=0), max_batch)
-            drafter.prepack(max((n * t.top_k for n, t in enumerate(shapes, 1)), default=1))
+            drafter.prepack()
             first = head if isinstance(head, DraftHead) else head()
             if first.per_round and isinstance(head, DraftHead) and max_batch > 1:
                 raise ValueError("a head that keeps per-request state needs a function that builds one per lane")

@@ -64,9 +64,9 @@ class Drafter(nn.Module):
         kv = KVCache(self.max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
         self.layer.self_attn.cache = kv
 
-    def prepack(self, rows: int) -> bool:
-        """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``;
-        ``rows`` changes nothing): a drafter pass runs every round at a few rows, where sgemm costs about twice
+    def prepack(self) -> bool:
+        """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``):
+        a drafter pass runs every round at a few rows, where sgemm costs about twice
         the kernel's time. The parameters and the state dict stay as they are, so a laid-out drafter still trains
         and saves; its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
         return prepack_linears(self, skip=("lm_head",))

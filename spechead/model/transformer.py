@@ -101,10 +101,9 @@ class Transformer(nn.Module):
                 m.fold_offset()
         return self
 
-    def prepack(self, rows: int) -> bool:
+    def prepack(self) -> bool:
         """Every projection and the LM head on spechead's kernel where a build runs for their weights
-        (``kernels.linear.Projection``); returns whether they are. One layout serves every row count, so ``rows``
-        (the decoder's largest verification) changes nothing. Idempotent."""
+        (``kernels.linear.Projection``); returns whether they are. One layout serves every row count. Idempotent."""
         self._fused = None
         return prepack_linears(self)
 

@@ -157,8 +157,8 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
     want_aux = drafter.arch == "eagle3"
     x = torch.tensor(ids, dtype=torch.long, device=target.lm_head.weight.device)
     drafter.setup_cache(session.max_len + 64)
-    target.prepack(1)
-    drafter.prepack(1)  # as the decoders lay it out
+    target.prepack()
+    drafter.prepack()  # as the decoders lay it out
     pre = target(x, 0, want_aux=want_aux)
     feats = drafter.target_features(pre)
     costs: dict[str, Any] = {"prefix": x.numel()}
