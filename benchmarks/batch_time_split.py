@@ -1,6 +1,6 @@
 """Where the batched decoder's time goes: prefill against verification rounds, per batch size and method.
 
-``Decoder`` (max_batch N) on the prompts ``batch_vs_vllm.py`` and ``vllm_bench.py`` use (8 Spec-Bench first turns of at most
+``Decoder`` on the prompts ``batch_vs_vllm.py`` and ``vllm_bench.py`` use (8 Spec-Bench first turns of at most
 400 tokens, 64 new tokens each, 2 threads): one warm-up generate per batch size and method, then the decoder's own
 timers over one timed generate. For a head, the rounds each mode ran (speculative / AR, summed over requests) too.
 Prints one line per batch size and method.
