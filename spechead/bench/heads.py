@@ -262,10 +262,9 @@ def bench_shape(
     ``time.perf_counter()`` value), the batches after the first not started by then are skipped and listed in the
     result (``skipped_batches``)."""
     d, V = dims or SHAPES[shape]
-    dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(args.seed)
     wgen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
-    W = (torch.randn(V, d, generator=wgen, device=device) * 0.02).to(dtype)
+    W = (torch.randn(V, d, generator=wgen, device=device) * 0.02).to(DTYPES[dtype_name])
     settings = settings_of(args)
     cases, skipped = build_cases(W, V, settings, gen)
     for c in cases:
@@ -275,25 +274,9 @@ def bench_shape(
             c.head.begin(c.feeder.prompt, None)
             if hasattr(c.head, "state"):
                 c.feeder.settle(c.head.state()[0].cpu())
-    rate = GemmRate(d, dtype, device=device)
-    for c in cases:
-        c.timings = {B: [] for B in batches}
+    rate = GemmRate(d, DTYPES[dtype_name], device=device)
     evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.head.per_round}
-    skipped_batches = []
-    for B in batches:
-        if deadline is not None and B != batches[0] and time.perf_counter() > deadline:
-            skipped_batches.append(B)
-            continue
-        h = torch.randn(B, d, generator=gen).to(device=device, dtype=dtype)
-        for c in cases:  # warm-up
-            time_case(c, h, args.k, flush, args)
-        for c in cases:
-            c.rounds.pop(B, None)  # drop the warm-up round
-        for _ in range(args.repeats):
-            meter.sample()
-            rate.sample(B)
-            for c in cases:
-                c.timings[B].append(time_case(c, h, args.k, flush, args))
+    skipped_batches = _time_batches(cases, batches, d, args, flush, meter, rate, gen, device, deadline)
     batches = [B for B in batches if B not in skipped_batches]
     gbps = meter.median()
     out = {
@@ -309,33 +292,7 @@ def bench_shape(
         out["skipped_batches"] = skipped_batches
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
     for c in cases:
-        rows = {}
-        for B in batches:
-            ms = statistics.median(c.timings[B])
-            nbytes = call_bytes(c.head, B, settings)
-            floor = nbytes / gbps / 1e6
-            flops = call_flops(c.head, B, settings)
-            compute = flops / rate.median(B) / 1e6
-            if c.rounds.get(B):
-                obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
-                rows[str(B)] = {
-                    "round_ms": {"observe": round(obs, 3), "first_call": round(first, 3), "other_calls": round(rest, 3)}
-                }
-            else:
-                rows[str(B)] = {}
-            rows[str(B)] |= {
-                "ms": round(ms, 3),
-                "ms_min": round(min(c.timings[B]), 3),
-                "bytes": nbytes,
-                "floor_ms": round(floor, 3),
-                "x_floor": round(ms / floor, 2),
-                "flops": flops,
-                "compute_floor_ms": round(compute, 3),
-                "x_roofline": round(ms / max(floor, compute), 2),
-                "achieved_GBps": round(nbytes / ms / 1e6, 2),
-                "speedup_vs_full": round(full_ms[B] / ms, 2),
-                "bytes_ratio_vs_full": round(call_bytes(cases[0].head, B, settings) / nbytes, 2),
-            }
+        rows = {str(B): _row(c, B, settings, gbps, rate, full_ms[B], cases[0]) for B in batches}
         out["heads"][c.name] = {"spec": c.case.spec, "note": c.case.note, "batches": rows}
         stats = c.head.stats()
         for key in ("active_size", "rank"):
@@ -345,6 +302,55 @@ def bench_shape(
             rounds = len(batches) * (args.repeats + 1)
             out["heads"][c.name]["gathered_per_round"] = (stats["evicted"] - evicted0[c.name]) / rounds
     return out
+
+
+def _time_batches(cases, batches, d, args, flush, meter, rate, gen, device, deadline) -> list[int]:
+    """Time every case at every batch (a warm-up call, then ``args.repeats`` interleaved calls); returns the batches
+    skipped past ``deadline``."""
+    for c in cases:
+        c.timings = {B: [] for B in batches}
+    skipped = []
+    for B in batches:
+        if deadline is not None and B != batches[0] and time.perf_counter() > deadline:
+            skipped.append(B)
+            continue
+        h = torch.randn(B, d, generator=gen).to(device=device, dtype=rate.dtype)
+        for c in cases:  # warm-up
+            time_case(c, h, args.k, flush, args)
+        for c in cases:
+            c.rounds.pop(B, None)  # drop the warm-up round
+        for _ in range(args.repeats):
+            meter.sample()
+            rate.sample(B)
+            for c in cases:
+                c.timings[B].append(time_case(c, h, args.k, flush, args))
+    return skipped
+
+
+def _row(c, B: int, settings, gbps: float, rate, full_ms: float, full) -> dict:
+    """One head's figures at ``B`` rows: its time, bytes and floors, and its ratios to the full head's."""
+    ms = statistics.median(c.timings[B])
+    nbytes = call_bytes(c.head, B, settings)
+    floor = nbytes / gbps / 1e6
+    flops = call_flops(c.head, B, settings)
+    compute = flops / rate.median(B) / 1e6
+    row = {}
+    if c.rounds.get(B):
+        obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
+        row["round_ms"] = {"observe": round(obs, 3), "first_call": round(first, 3), "other_calls": round(rest, 3)}
+    return row | {
+        "ms": round(ms, 3),
+        "ms_min": round(min(c.timings[B]), 3),
+        "bytes": nbytes,
+        "floor_ms": round(floor, 3),
+        "x_floor": round(ms / floor, 2),
+        "flops": flops,
+        "compute_floor_ms": round(compute, 3),
+        "x_roofline": round(ms / max(floor, compute), 2),
+        "achieved_GBps": round(nbytes / ms / 1e6, 2),
+        "speedup_vs_full": round(full_ms / ms, 2),
+        "bytes_ratio_vs_full": round(call_bytes(full.head, B, settings) / nbytes, 2),
+    }
 
 
 # -- the GEMM itself: which PyTorch call gets closest to the floor on this CPU -------------------
