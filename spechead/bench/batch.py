@@ -53,9 +53,9 @@ def run_batch_study(
     per-repeat ratios."""
     if any(b < 1 for b in batches):
         raise SpecheadError(f"batch sizes must be >= 1, got {batches}")
-    for m in [m for m in methods if m.kind in ("hf", "pld")]:
-        log(f"skipping {m.name}: the batch study runs the engine's methods (transformers' generate is batch 1 here)")
-    methods = [m for m in methods if m.kind not in ("hf", "pld")]
+    for m in [m for m in methods if m.kind in ("hf", "pld", "llamacpp")]:
+        log(f"skipping {m.name}: the batch study runs the engine's methods ({m.name} runs batch 1 here)")
+    methods = [m for m in methods if m.kind not in ("hf", "pld", "llamacpp")]
     if not methods or methods[0].kind != "ar":  # AR first: every speedup is against it
         methods = [MethodSpec("ar", "ar")] + [m for m in methods if m.kind != "ar"]
     sampling = sampling or SamplingConfig()

@@ -7,7 +7,8 @@ verification, head telemetry (NanoSpec's active size and coverage), ``mismatches
 tokens differ from the engine's own AR output: greedy, or sampled with ``--seed``) and the memory each head holds.
 Multi-turn prompts (MT-bench) run every turn: each method's own answer goes back into the
 conversation, as in Spec-Bench. ``hf`` is transformers' ``generate`` on the same weights and thread
-count, ``hf-pld`` its prompt-lookup decoding.
+count, ``hf-pld`` its prompt-lookup decoding; ``llamacpp`` and ``llamacpp-lookup`` llama.cpp on the target's GGUF
+(:mod:`spechead.bench.llamacpp`), whose agreement with AR is reported as ``same_output_as_ar``, not as mismatches.
 
 This module runs the pieces in order: methods (:mod:`spechead.bench.methods`), runners
 (:mod:`spechead.bench.runners`), the interleaved loop, the statistics (:mod:`spechead.bench.analysis`),
@@ -28,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from spechead.bench.analysis import add_speedup_model, evolution, summarize, tau_of
+from spechead.bench.llamacpp import same_output_share
 from spechead.bench.methods import MethodSpec, check_methods
 from spechead.bench.projection import project
 from spechead.bench.report import write_report
@@ -162,10 +164,14 @@ def make_report_data(
     summary: dict[str, Any] = {}
     for s in specs:
         rs = runs[s.name]
-        # the engine's seeded sampling is AR's text too (draws per position); transformers' sampler is another one
+        # the engine's seeded sampling is AR's text too (draws per position); transformers' sampler is another one;
+        # llama.cpp computes on the quantized weights: its agreement with AR is a share, never a mismatch
         exact = sampling.greedy or (sampling.seed is not None and s.kind not in ("hf", "pld"))
+        exact = exact and s.kind != "llamacpp"
         m = summarize(rs, ar_runs, exact)
         m["method"] = s.kind if s.kind != "spec" else s.head
+        if s.kind == "llamacpp" and ar_runs is not None:
+            m["same_output_as_ar"] = same_output_share(rs, ar_runs)
         if s.kind == "pld":  # generate() does not report its verification rounds
             m["tau"] = m["tau_median"] = float("nan")
         cats: dict[str, list[int]] = {}
@@ -184,6 +190,9 @@ def make_report_data(
             {"tokens_per_s": r.tokens_per_s, "tau": tau_of(r), "new_tokens": len(r.tokens), "wall_s": r.wall_s}
             for r in rs
         ]
+        if s.kind == "llamacpp" or (s.kind == "ar" and any(x.kind == "llamacpp" for x in specs)):
+            for row, r in zip(m["per_prompt"], rs, strict=True):  # the outputs, to compare llama.cpp's with AR's
+                row["prefill_ms"], row["tokens"] = r.prefill_s * 1e3, r.tokens
         summary[s.name] = m
     for key, base in (("speedup_vs_ar", ar_name), ("speedup_vs_hf", hf_name)):
         if base and summary[base]["tokens_per_s"] > 0:

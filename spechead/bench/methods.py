@@ -1,5 +1,6 @@
-"""The benchmark's method grammar: ``hf``, ``hf-pld[:N]``, ``ar``, ``eagle``, ``eagle3``, ``lowrank[:R]``, any
-head spec, each with an optional ``@TREE``, and presets. Parsed before any model loads, so a typo fails fast."""
+"""The benchmark's method grammar: ``hf``, ``hf-pld[:N]``, ``llamacpp``, ``llamacpp-lookup[:N]``, ``ar``, ``eagle``,
+``eagle3``, ``lowrank[:R]``, any head spec, each with an optional ``@TREE``, and presets. Parsed before any model
+loads, so a typo fails fast."""
 
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ PRESETS = {
 
 @dataclass
 class MethodSpec:
-    """``hf``, ``hf-pld[:N]``, ``ar``, ``eagle`` (full head), ``eagle3`` (the EAGLE-3 drafter, full head),
-    ``lowrank[:R]`` (the low-rank drafter), or any head spec (``fr:N``, ``nanospec:W``, ``hybrid``...)
-    on the EAGLE-2 drafter; ``@TREE`` overrides the draft tree."""
+    """``hf``, ``hf-pld[:N]``, ``llamacpp`` (llama.cpp's own decoding of the target's GGUF), ``llamacpp-lookup[:N]``
+    (its prompt-lookup speculative decoding, N drafted tokens), ``ar``, ``eagle`` (full head), ``eagle3`` (the
+    EAGLE-3 drafter, full head), ``lowrank[:R]`` (the low-rank drafter), or any head spec (``fr:N``,
+    ``nanospec:W``, ``hybrid``...) on the EAGLE-2 drafter; ``@TREE`` overrides the draft tree."""
 
     name: str
-    kind: str  # hf | pld | ar | spec
+    kind: str  # hf | pld | llamacpp | ar | spec
     head: str = "full"
     tree: TreeConfig | None = None
     drafter: str = "eagle2"  # eagle2 | eagle3 | lowrank
-    pld: int = 10
+    pld: int = 10  # tokens a prompt-lookup round drafts (hf-pld, llamacpp-lookup); 0 for plain llamacpp
     twin: str | None = None  # set once drafters load: the family whose drafter ``lowrank`` turned out to decode
 
     @classmethod
@@ -42,6 +44,12 @@ class MethodSpec:
             if arg and not (arg.isdigit() and int(arg) > 0):
                 raise SpecheadError(f"hf-pld:N needs a positive integer, got {arg!r}")
             return cls(spec, "pld", pld=int(arg) if arg else 10)
+        if base == "llamacpp":
+            return cls(spec, "llamacpp", pld=0)
+        if name == "llamacpp-lookup":
+            if arg and not (arg.isdigit() and int(arg) > 0):
+                raise SpecheadError(f"llamacpp-lookup:N needs a positive integer, got {arg!r}")
+            return cls(spec, "llamacpp", pld=int(arg) if arg else 10)
         if base == "eagle":
             return cls(spec, "spec", "full", t)
         if base == "eagle3":
@@ -73,7 +81,7 @@ def check_methods(methods: list[str], tree: TreeConfig | None) -> list[MethodSpe
     specs = [MethodSpec.parse(m, tree) for m in methods]
     for s in (s for s in specs if s.kind == "spec"):
         if s.head.partition(":")[0] not in HEADS:
-            known = "hf, hf-pld, ar, eagle, eagle3, " + ", ".join(sorted(HEADS))
+            known = "hf, hf-pld, llamacpp, llamacpp-lookup, ar, eagle, eagle3, " + ", ".join(sorted(HEADS))
             raise SpecheadError(f"unknown method {s.name!r}; known: {known}, presets {', '.join(PRESETS)}")
         try:  # its options too (nanospec:abc, fr:0): refused, not skipped after the model loads
             check_head_spec(s.head)

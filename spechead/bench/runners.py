@@ -1,5 +1,6 @@
 """Runners: one callable per method that decodes a prompt and returns its :class:`Run` (transformers'
-``generate``, the engine's AR or speculative decoder), built once per method with the drafter each needs."""
+``generate``, llama.cpp (:mod:`spechead.bench.llamacpp`), the engine's AR or speculative decoder), built once per
+method with the drafter each needs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from spechead.bench import llamacpp
 from spechead.bench.methods import MethodSpec
 from spechead.bench.runs import Run
 from spechead.decoding.guard import GuardConfig
@@ -123,6 +125,11 @@ def build_runners(
                 runner = HFRunner(session, s.pld if s.kind == "pld" else 0, hf_model)
                 hf_model = runner.model
                 runners[s.name], info[s.name] = runner, {"kind": s.kind, "rss_added_mb": rss_mb() - before}
+                continue
+            if s.kind == "llamacpp":
+                peer = llamacpp.build_runner(session, s, loaded)
+                runners[s.name] = peer
+                info[s.name] = {"kind": "llamacpp", "llamacpp": peer.config, "rss_added_mb": rss_mb() - before}
                 continue
             if s.kind == "ar":
                 runners[s.name] = engine_runner(session.decoder(), False)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spechead.bench.harness import run_bench, write_outputs
+from spechead.bench.llamacpp import unavailable
 from spechead.bench.methods import PRESETS, check_methods, expand_methods
 from spechead.bench.runners import LOWRANK_DEMO
 from spechead.bench.suites import EVAL_DIR_ENV, SUITES, load_suite, round_robin
@@ -82,6 +83,12 @@ def format_table(out: dict[str, Any]) -> str:
             f"{r.get('backbone', nan):>8.2f}{r.get('head', nan):>9.2f}{r.get('gather', nan):>9.2f}"
             f"{r.get('verify', nan):>8.2f}"
         )
+    for name, m in out["methods"].items():
+        if "same_output_as_ar" in m:
+            lines.append(
+                f"{name}: output equal to ar's on {m['same_output_as_ar']:.0%} of prompts (llama.cpp computes on the "
+                "quantized weights, so its outputs are not held to ar's)"
+            )
     sm = out.get("speedup_model", {})
     if sm.get("methods"):
         kap = ", ".join(f"{k} {v:.3f}" for k, v in sm["kappa"].items())
@@ -171,7 +178,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not methods:
         raise SpecheadError("no methods given")
     tree = AUTO_TREE if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
-    check_methods(methods, None if tree == AUTO_TREE else tree)
+    refused = unavailable(check_methods(methods, None if tree == AUTO_TREE else tree))
+    if refused and len(refused) == len(methods):  # nothing else to run: refused before the model loads
+        raise SpecheadError(next(iter(refused.values())))
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     session = open_session(args.target, args.max_len, compile=args.compile)
     drafters = {"arch": args.arch}  # --eagle3-drafter / --lowrank-drafter default to --drafter
@@ -208,8 +217,9 @@ def add_cli(sub) -> None:
     b.add_argument(
         "--methods",
         default="hf,ar,eagle",
-        help="comma-separated: hf, hf-pld[:N], ar, eagle, eagle3, lowrank, fr:N, vocabtrim:N, nanospec[:W[:k=v]], "
-        "hybrid, any head spec, [@tree]; presets: " + "; ".join(f"{k} = {v}" for k, v in PRESETS.items()),
+        help="comma-separated: hf, hf-pld[:N], llamacpp, llamacpp-lookup[:N] (llama.cpp on the target's GGUF, needs "
+        "llama-cpp-python), ar, eagle, eagle3, lowrank, fr:N, vocabtrim:N, nanospec[:W[:k=v]], hybrid, any head spec, "
+        "[@tree]; presets: " + "; ".join(f"{k} = {v}" for k, v in PRESETS.items()),
     )
     b.add_argument("--json", default=None, help="write results to this file")
     b.add_argument("--report", default=None, help="write a Markdown report with PNG plots into this folder")

@@ -96,6 +96,7 @@ class Session:
     tokenizer: object
     max_len: int
     tree_resolver: TreeResolver | None = None  # what ``tree="auto"`` means; None: DEFAULT_TREE (said once)
+    source: str | None = None  # the target spec it was opened from (``demo``, a path): where its GGUF is
 
     @classmethod
     def open(
@@ -114,7 +115,7 @@ class Session:
         model.setup_cache(max_len)
         if compile:
             model.compile(dynamic=True)
-        return cls(model, folder, load_tokenizer(folder), max_len, tree_resolver)
+        return cls(model, folder, load_tokenizer(folder), max_len, tree_resolver, target)
 
     @property
     def stop_ids(self) -> list[int]:

@@ -148,6 +148,17 @@ def resolve_target(name: str) -> Path:
     return folder
 
 
+def target_gguf(name: str, workdir: Path) -> Path:
+    """The GGUF file a target spec comes from (a packaged model's may be assembled into ``workdir``), for runtimes
+    that read the quantized file itself, such as llama.cpp; a Hugging Face folder has none."""
+    if name in PACKAGED_TARGETS:
+        return PACKAGED_TARGETS[name].gguf_path(workdir)
+    path = Path(name)
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise SpecheadError(f"target {name} is not a GGUF file or a packaged model: llama.cpp needs its GGUF")
+
+
 def _packaged_folder(packaged: PackagedTarget) -> Path:
     folder = cache_dir() / packaged.folder
     if (folder / "config.json").is_file():
