@@ -112,6 +112,7 @@ class LlamaCppRunner:
 
             self.draft = CountedDraft(LlamaPromptLookupDecoding(num_pred_tokens=lookup))
             kwargs["draft_model"] = self.draft
+            kwargs["logits_all"] = True  # else llama-cpp-python sizes its logits for one batch, not for the context
         try:
             self.llm, bufts = load_llama(str(gguf), **kwargs)
         except (ValueError, RuntimeError, OSError) as e:
