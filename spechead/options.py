@@ -141,14 +141,19 @@ def target(value: Any, name: str = "target") -> str:
     return spec
 
 
+def _parsed(check, value: Any, name: str, example: str) -> str:
+    """``value`` through the engine's own parser ``check``, its error naming option ``name``."""
+    try:
+        return check(_spec(value, name, example))
+    except SpecheadError as e:
+        raise _error(name, str(e)) from None
+
+
 def drafter(value: Any, name: str = "drafter") -> str:
     """``demo`` (the drafter shipped for the target), ``random[:ARCH]`` or a drafter folder."""
     from spechead.decoding.session import check_drafter_spec
 
-    try:
-        return check_drafter_spec(_spec(value, name, "demo"))
-    except SpecheadError as e:
-        raise _error(name, str(e)) from None
+    return _parsed(check_drafter_spec, value, name, "demo")
 
 
 def method(value: Any, name: str = "method") -> str:
@@ -162,10 +167,7 @@ def head(value: Any, name: str = "head") -> str:
     """A draft head spec such as ``full``, ``fr:8192`` or ``nanospec:1024``: its name and options, no weights."""
     from spechead.heads.base import check_head_spec
 
-    try:
-        return check_head_spec(_spec(value, name, "full"))
-    except SpecheadError as e:
-        raise _error(name, str(e)) from None
+    return _parsed(check_head_spec, value, name, "full")
 
 
 def tree(value: Any, name: str = "tree") -> TreeConfig | str:

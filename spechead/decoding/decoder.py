@@ -18,7 +18,6 @@ The guard (``GuardConfig``) chooses per round how much to draft: the tree, a lea
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -156,8 +155,7 @@ class Decoder:
             raise SpecheadError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if drafter is not None and head is None:
             raise ValueError("a drafter needs a head")
-        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
-            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
+        Guard.check_ar_step_s(ar_step_s)  # (checked whether or not a guard is built)
         self.target, self.drafter, self.max_batch = target, drafter, max_batch
         fixed = tree if isinstance(tree, TreeConfig) else TreeConfig()
         self.tree_for: TreeRule = tree if callable(tree) else (lambda n: fixed)

@@ -71,8 +71,7 @@ class Guard:
         has_lean: bool = False,
     ) -> None:
         """``has_lean``: the decoder has a lean tree smaller than its own (the rung is used if ``cfg.lean``)."""
-        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
-            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
+        self.check_ar_step_s(ar_step_s)
         self.cfg, self.clock = cfg, clock
         self.has_lean = has_lean and cfg.lean and cfg.enabled
         self.ar_times: deque[float] = deque([] if ar_step_s is None else [float(ar_step_s)], maxlen=self.SAMPLES)
@@ -80,6 +79,12 @@ class Guard:
         self.spent = (0, 0.0)  # the last request's counted speculative rounds: (tokens, seconds)
         self.lost = False  # whether speculation lost over the last request that had any
         self.begin()
+
+    @staticmethod
+    def check_ar_step_s(ar_step_s: float | None) -> None:
+        """A measured AR step time: None, or a finite number of seconds > 0."""
+        if ar_step_s is not None and not (0 < ar_step_s < math.inf):
+            raise ValueError(f"ar_step_s must be a finite number of seconds > 0, got {ar_step_s!r}")
 
     @property
     def ar_step_s(self) -> float | None:

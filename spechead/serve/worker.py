@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from spechead import options
 from spechead.decoding.decoder import Decoder, Event, GenerationResult, tau_of
 from spechead.decoding.session import AUTO_TREE, Session
 from spechead.decoding.tree import TreeConfig
@@ -31,7 +32,6 @@ from spechead.serve.stream import TextStream
 log = logging.getLogger("spechead.serve")
 
 MAX_CACHED_HEADS = 4  # stateless heads other than the default kept built, least recently used dropped
-MAX_BATCH = 64  # a server's KV cache holds max_len positions for every lane (64 x 2048 x 30 layers: 3.6 GB, demo)
 
 
 @dataclass
@@ -69,7 +69,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
-
 
 
 @dataclass
@@ -125,8 +124,7 @@ class DecodeWorker:
                 "need --queue-size >= 0, --timeout > 0 and --max-tokens >= 1, "
                 f"got {queue_size}, {timeout:g} and {max_tokens}"
             )
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise SpecheadError(f"--max-batch must be in [1, {MAX_BATCH}], got {max_batch}")
+        options.max_batch(max_batch, "--max-batch")
 
     # -- tokenizer ------------------------------------------------------------------------------
     def encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
