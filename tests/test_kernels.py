@@ -355,7 +355,8 @@ def test_a_layer_over_several_requests_is_each_request_alone(isa):
         rows = torch.cat([torch.arange(row0[i], row0[i] + parts[i][2]) for i in idx])
         r0 = [sum(parts[j][2] for j in idx[:n]) for n in range(len(idx))]
         return lib.llama_layer(
-            x[rows], ln1, ln2, 1e-5, *ws, widths, cos[rows].contiguous(), sin[rows].contiguous(), kc, vc, r0,
+            x[rows], ln1, ln2, 1e-5, *[[w] for w in ws], widths, cos[rows].contiguous(), sin[rows].contiguous(),
+            kc, vc, r0,
             [parts[i][2] for i in idx], [parts[i][0] for i in idx], [parts[i][1] for i in idx],
             [parts[i][3] for i in idx], [0] * len(idx), hd**-0.5,
         )  # fmt: skip

@@ -64,8 +64,18 @@ def checked(check: Callable[[Any], Any], parse: Callable[[str], Any] = int) -> C
     return convert
 
 
-def add_target(p: argparse.ArgumentParser) -> None:
+def add_target(p: argparse.ArgumentParser, precision: bool = True) -> None:
+    """``--target`` and, for commands that decode (``precision``), ``--dtype``; training runs in fp32 / bf16."""
     p.add_argument("--target", default="demo", help="demo, a HF model folder or a .gguf file")
+    if not precision:
+        return
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        type=checked(options.precision, str),
+        help="what the target computes in: gguf (a GGUF file's own integer blocks, its default), q8 / q4 (a model "
+        "folder quantized at load), fp32 (the default for a folder; exact parity with transformers)",
+    )
 
 
 def add_drafter(p: argparse.ArgumentParser) -> None:

@@ -134,7 +134,7 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
     tree = None if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
     specs = check_methods(methods, tree)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    session = open_session(args.target, args.max_len, compile=args.compile)
+    session = open_session(args.target, args.max_len, args.dtype, compile=args.compile)
     ids = [session.encode(p["turns"][0]) for p in prompts]
     drafters = {"arch": args.arch}
     drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
@@ -182,7 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if refused and len(refused) == len(methods):  # nothing else to run: refused before the model loads
         raise SpecheadError(next(iter(refused.values())))
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    session = open_session(args.target, args.max_len, compile=args.compile)
+    session = open_session(args.target, args.max_len, args.dtype, compile=args.compile)
     drafters = {"arch": args.arch}  # --eagle3-drafter / --lowrank-drafter default to --drafter
     drafters.update({k: v for k, v in (("eagle3", args.eagle3_drafter), ("lowrank", args.lowrank_drafter)) if v})
     heads_json = Path(args.heads_json) if args.heads_json else None

@@ -39,7 +39,7 @@ def cmd_generate(args) -> int:
         options.drafter(args.drafter)
     sampling = options.sampling(args.temperature, args.top_p, args.top_k, args.seed)
     tree = options.tree(args.tree)  # a TreeConfig, or ``auto``: the decoder resolves it (this machine's tuning)
-    session = open_session(options.target(args.target), args.max_len, compile=args.compile)
+    session = open_session(options.target(args.target), args.max_len, args.dtype, compile=args.compile)
     ids = options.prompt_tokens(session.encode(args.prompt, raw=args.raw), session.max_len)
     if args.method == "ar":
         dec = session.decoder()

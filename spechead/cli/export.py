@@ -24,7 +24,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise SpecheadError(f"--out {out} already exists and is not an empty folder; export writes a new one")
     check_head_spec(args.head)  # before the target loads
     check_drafter_spec(args.drafter)
-    session = Session.open(args.target, max_len=64)
+    session = Session.open(args.target, max_len=64, dtype=args.dtype)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     with torch.no_grad():
         head = session.draft_head(drafter, args.head)

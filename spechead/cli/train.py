@@ -188,7 +188,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 
 def _features_options(p: argparse.ArgumentParser) -> None:
     """What ``extract`` and ``train-drafter`` share: the target, the drafter kind and how the data is cut."""
-    add_target(p)
+    add_target(p, precision=False)
     p.add_argument("--arch", default="eagle2", choices=["eagle2", "eagle3"])
     p.add_argument("--data", nargs="+", default=None, help="chat / text JSONL files (FILE or FILE:N)")
     p.add_argument("--max-len", type=positive_int, default=1024)
@@ -207,7 +207,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def _add_gen_data(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gen-data", help="regenerate assistant replies with the target (self-distillation data)")
-    add_target(g)
+    add_target(g, precision=False)
     g.add_argument("--data", nargs="+", required=True, help="chat JSONL files (FILE or FILE:N)")
     g.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
     g.add_argument("--batch-size", type=int, default=16)
@@ -309,6 +309,6 @@ def _add_fit_lowrank(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--rank", type=positive_int, default=None, help="rank (default d/8)")
     f.add_argument("--fit-tokens", type=positive_int, default=65536)
     f.add_argument("--eval-tokens", type=positive_int, default=2048)
-    add_target(f)
+    add_target(f, precision=False)
     add_threads(f)
     f.set_defaults(func=cmd_fit_lowrank)

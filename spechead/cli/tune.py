@@ -19,7 +19,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise SpecheadError(f"--budget must be > 0 seconds, got {args.budget}")
     check_head_spec(args.head)  # before the target loads
     check_drafter_spec(args.drafter)
-    session = open_session(args.target, args.max_len)
+    session = open_session(args.target, args.max_len, args.dtype)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     settings = {"budget_s": args.budget} if args.budget is not None else {}
     t0 = time.perf_counter()

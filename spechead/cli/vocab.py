@@ -59,7 +59,7 @@ def cmd_vocabtrim(args) -> int:
         prompts = prompts[: args.limit]
     if not prompts:
         raise SpecheadError("no prompts found: records need 'turns', 'messages', 'prompt' or 'text'")
-    session = Session.open(args.target, args.max_len)
+    session = Session.open(args.target, args.max_len, args.dtype)
     V = session.target.config.vocab_size
     sizes = parse_sizes(args.sizes, V)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)

@@ -165,7 +165,7 @@ class Decoder:
         self.uses_lookup = any(t.uses_lookup for t in shapes)
         self.max_len = min(max_len, target.config.max_position_embeddings)
         self.stop_ids = set(stop_ids or [])
-        self.device = target.lm_head.weight.device
+        self.device = target.model.norm.weight.device
         self.timers = Timers()
         target.setup_cache(self.max_len, max_batch)
         target.prepack()  # every row of every round on the kernel, bitwise as the row alone
@@ -174,7 +174,7 @@ class Decoder:
         self._lane_heads: dict[int, DraftHead] = {}
         if drafter is not None:
             drafter.setup_cache(self.max_len + max((t.drafter_slots for t in shapes), default=0), max_batch)
-            drafter.prepack()
+            drafter.prepack(target.precision)
             first = head if isinstance(head, DraftHead) else head()
             if first.per_round and isinstance(head, DraftHead) and max_batch > 1:
                 raise ValueError("a head that keeps per-request state needs a function that builds one per lane")

@@ -103,7 +103,7 @@ class Session:
         cls,
         target: str = "demo",
         max_len: int = 4096,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = "auto",
         compile: bool = False,
         tree_resolver: TreeResolver | None = None,
     ) -> Session:

@@ -18,6 +18,8 @@ from torch import Tensor
 from spechead import kernels
 from spechead.errors import SpecheadError
 from spechead.kernels import row_topk_supported
+from spechead.kernels.qlinear import QuantWeight
+from spechead.kernels.quant import quantize
 from spechead.timing import Timers
 
 if TYPE_CHECKING:
@@ -193,12 +195,45 @@ def head_class(spec: str) -> type[DraftHead]:
 
 def check_head_spec(spec: str) -> str:
     """Validate ``spec`` without weights (name and options), so the CLI and the server refuse it early."""
-    head_class(spec).options(spec.partition(":")[2])
+    body, _ = split_precision(spec)
+    head_class(body).options(body.partition(":")[2])
     return spec
 
 
+HEAD_PRECISIONS = ("fp32", "q8", "q4")
+
+
+def split_precision(spec: str) -> tuple[str, str | None]:
+    """``nanospec:3072:q8`` -> (``nanospec:3072``, ``q8``): a head spec's last part may name the precision its
+    matrix is held in (None: as the drafter's head is, the target's blocks for a quantized tied head)."""
+    body, _, last = spec.rpartition(":")
+    return (body, last) if body and last in HEAD_PRECISIONS else (spec, None)
+
+
+def at_precision(weight: Tensor | QuantWeight, precision: str | None) -> Tensor | QuantWeight:
+    """The head's matrix at ``precision``: fp32 rows, or 32-value blocks (``q8`` / ``q4``, quantized from the float
+    values, or the blocks themselves where they already are that format). It changes what the head proposes,
+    never the output."""
+    if precision is None:
+        return weight
+    if isinstance(weight, QuantWeight):
+        if weight.format == precision:
+            return weight
+        weight = weight.blocks().dequantize()
+    if precision == "fp32":
+        return weight.float()
+    return QuantWeight.pack(quantize(weight.detach().float(), precision))
+
+
 def make_head(
-    spec: str, weight: Tensor, row_ids: Tensor | None, vocab_size: int, factors: LowRankLinear | None = None
+    spec: str,
+    weight: Tensor | QuantWeight,
+    row_ids: Tensor | None,
+    vocab_size: int,
+    factors: LowRankLinear | None = None,
 ) -> DraftHead:
-    """Build a head from a spec such as ``full``, ``fr:8192`` or ``nanospec:1024:policy=lru``."""
-    return head_class(spec).from_spec(spec.partition(":")[2], weight, row_ids, vocab_size, factors)
+    """Build a head from a spec such as ``full``, ``fr:8192``, ``nanospec:1024:policy=lru`` or ``full:q4``."""
+    spec, precision = split_precision(spec)
+    cls = head_class(spec)
+    cls.options(spec.partition(":")[2])  # a bad option is refused before any weight is converted
+    return cls.from_spec(spec.partition(":")[2], at_precision(weight, precision), row_ids, vocab_size, factors)

@@ -44,6 +44,7 @@ from spechead import kernels
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead, fast_topk, parse_options, register_head, topk_logprobs
 from spechead.kernels.linear import BlockedWeight
+from spechead.kernels.qlinear import QuantWeight
 
 if TYPE_CHECKING:
     from spechead.model.config import ModelConfig
@@ -119,7 +120,10 @@ class NanoSpecHead(DraftHead):
             self.eligible = self.t2r >= 0
         self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)  # slot -> target id
         # slot -> head row, in the draft-GEMM kernel's layout where it runs (rows rewritten in place)
-        self.packed = BlockedWeight(weight[:0], capacity=w_max)
+        if isinstance(weight, QuantWeight):  # a quantized head gathers its rows' blocks (4-8 bits a weight)
+            self.packed: BlockedWeight | QuantWeight = QuantWeight.empty(w_max, weight.in_features, weight.format)
+        else:
+            self.packed = BlockedWeight(weight[:0], capacity=w_max)
         self.in_set = torch.zeros(vocab_size, dtype=torch.bool, device=dev)  # membership mask
         self.slot_of = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # id -> slot (-1: absent)
         self.last_hit = torch.zeros(w_max + 1, dtype=torch.long, device=dev)  # slot -> round; [-1] is a trash slot

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from spechead import kernels
 from spechead.kernels import LANES
+from spechead.kernels.qlinear import QuantWeight
+from spechead.kernels.quant import QuantBlocks
 
 
 class BlockedWeight:
@@ -203,12 +205,17 @@ class PackedLinear(nn.Module):
 
     MIN_NUMEL = 1 << 16  # a head below this: the kernel's fixed cost (transposing x, forking threads) beats the gain
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor | QuantWeight | QuantBlocks) -> None:
         super().__init__()
-        self.shape, self.dtype = weight.shape, weight.dtype
         self.weight: Tensor | None = None
         self.blocked: BlockedWeight | None = None
+        self.quant: QuantWeight | None = None  # a quantized head's weight (the integer kernel's product)
         self.shares_layout = False  # the layout was already built for the same tensor (``BlockedWeight.of``)
+        if isinstance(weight, (QuantWeight, QuantBlocks)):
+            self.quant = weight if isinstance(weight, QuantWeight) else QuantWeight.pack(weight)
+            self.shape, self.dtype = self.quant.shape, torch.float32
+            return
+        self.shape, self.dtype = weight.shape, weight.dtype
         if weight.numel() >= self.MIN_NUMEL and kernels.supports(weight):
             self.shares_layout = BlockedWeight.shared(weight) is not None
             self.blocked = BlockedWeight.of(weight)
@@ -217,16 +224,20 @@ class PackedLinear(nn.Module):
 
     @property
     def kind(self) -> str:
-        """Which path its calls take: ``kernel`` or ``linear``."""
-        return "kernel" if self.blocked is not None else "linear"
+        """Which path its calls take: ``kernel``, ``qkernel`` (a quantized weight) or ``linear``."""
+        return "qkernel" if self.quant is not None else "kernel" if self.blocked is not None else "linear"
 
     @property
     def nbytes(self) -> int:
         """Bytes held: the layout, or the plain weight."""
+        if self.quant is not None:
+            return self.quant.nbytes
         w = self.weight
         return self.blocked.nbytes if self.blocked is not None else w.numel() * w.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quant is not None:
+            return self.quant(x)
         if self.blocked is not None:
             return self.blocked(x)
         return F.linear(x.to(self.dtype), self.weight).float()

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from spechead.errors import SpecheadError
 from spechead.kernels.linear import prepack_linears
+from spechead.kernels.qlinear import QuantLinear, QuantWeight, quantize_linears
 from spechead.model.config import ModelConfig
 from spechead.model.layers import Block, KVCache, Linear, RMSNorm, Rotary, Segment, is_prefill
 from spechead.model.loading import read_safetensors, read_safetensors_file
@@ -54,9 +55,14 @@ class Drafter(nn.Module):
     def layer(self) -> Block:
         raise NotImplementedError
 
+    @property
+    def float_weight(self) -> Tensor:
+        """A float parameter of the backbone (its norm): the dtype and device its states take, at every precision."""
+        return self.layer.post_attention_layernorm.weight
+
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """A cache of ``lanes`` sequences (one per request decoded at once) of up to ``max_len`` slots."""
-        cfg, p = self.config, self.fc.weight
+        cfg, p = self.config, self.float_weight
         if max_len <= self.max_len and lanes <= self.lanes:  # only grows: decoders with other trees share one drafter
             return
         self.max_len, self.lanes = max(max_len, self.max_len), max(lanes, self.lanes)
@@ -64,11 +70,16 @@ class Drafter(nn.Module):
         kv = KVCache(self.max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
         self.layer.self_attn.cache = kv
 
-    def prepack(self) -> bool:
+    def prepack(self, precision: str = "fp32") -> bool:
         """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``):
-        a drafter pass runs every round at a few rows, where sgemm costs about twice
-        the kernel's time. The parameters and the state dict stay as they are, so a laid-out drafter still trains
-        and saves; its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
+        a drafter pass runs every round at a few rows, where sgemm costs about twice the kernel's time. Beside a
+        target on the integer engine (``precision`` gguf, q8 or q4) they are quantized to q8 instead (the
+        drafter's precision changes what it proposes, never the output), and the drafter no longer trains. At
+        fp32 the parameters and the state dict stay as they are, so a laid-out drafter still trains and saves;
+        its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
+        if precision in ("gguf", "q8", "q4"):
+            quantize_linears(self, "q8", skip=("lm_head",))
+            return True
         return prepack_linears(self, skip=("lm_head",))
 
     # -- what each architecture defines -------------------------------------------------------
@@ -208,12 +219,14 @@ class Eagle2Drafter(Drafter):
         self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
     ) -> Tensor:
         prefill = is_prefill(start)
-        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.fc.weight.dtype)], dim=-1), prefill)
+        x = self.fc(torch.cat([self.embed(tokens), feats.to(self.float_weight.dtype)], dim=-1), prefill)
         cos, sin = self.rotary(positions)
         return self.layer(x, x, cos, sin, start, mask, prefill=prefill)
 
-    def head_weight(self, target: Transformer) -> tuple[Tensor, Tensor | None]:
-        return target.lm_head.weight, None
+    def head_weight(self, target: Transformer) -> tuple[Tensor | QuantWeight, Tensor | None]:
+        """The target's LM head: its float weight, or a quantized target's blocks (the head's default precision)."""
+        head = target.lm_head
+        return (head.layout if isinstance(head, QuantLinear) else head.weight), None
 
 
 class Eagle3Drafter(Drafter):
@@ -254,7 +267,7 @@ class Eagle3Drafter(Drafter):
         self, tokens: Tensor, feats: Tensor, start: int | Sequence[Segment], positions: Tensor, mask: Tensor | None
     ) -> Tensor:
         prefill = is_prefill(start)
-        h = feats.to(self.fc.weight.dtype)
+        h = feats.to(self.float_weight.dtype)
         if h.shape[-1] != self.config.hidden_size:  # target features are fused; recycled ones are not
             h = self.fc(h, prefill)
         layer = self.midlayer
@@ -338,7 +351,7 @@ def random_drafter(target: Transformer, arch: str = "eagle2", seed: int = 0, **c
     overrides.update(cfg_overrides)
     cfg = draft_config_from_target(target.config, **overrides)
     gen = torch.Generator().manual_seed(seed)
-    p = target.lm_head.weight
+    p = target.model.norm.weight  # the target's float dtype and device, at every precision
     drafter = build_drafter(arch, cfg, target)
     with torch.no_grad():
         for name, t in drafter.named_parameters():
@@ -386,7 +399,7 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
         if v.shape != expected[k].shape:
             raise SpecheadError(f"drafter tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
     drafter.load_state_dict(state, strict=False)
-    p = target.lm_head.weight
+    p = target.model.norm.weight  # the target's float dtype and device, at every precision
     drafter = drafter.to(device=p.device, dtype=p.dtype).eval()
     if (folder / LOW_RANK_FILE).is_file():
         if not isinstance(drafter, Eagle2Drafter):
@@ -394,5 +407,5 @@ def load_drafter(path: str | Path, target: Transformer) -> Drafter:
         factors = read_safetensors_file(folder / LOW_RANK_FILE)
         if set(factors) != {"proj", "down"}:
             raise SpecheadError(f"{folder / LOW_RANK_FILE} must hold exactly 'proj' and 'down', got {sorted(factors)}")
-        drafter.attach_low_rank_head(p, factors["proj"], factors["down"])
+        drafter.attach_low_rank_head(target.lm_head.weight, factors["proj"], factors["down"])
     return drafter

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -26,7 +27,9 @@ from safetensors.torch import save_file
 
 from spechead.cache import cache_dir
 from spechead.errors import SpecheadError
+from spechead.kernels.quant import quantize
 from spechead.model.config import ModelConfig
+from spechead.model.quantized import LAYOUT_FILE, PRECISIONS, build, pack_state, read_layout, write_layout
 from spechead.model.transformer import Transformer
 
 DEMO_NAME = "smollm2-135m-instruct"
@@ -206,10 +209,134 @@ def read_safetensors_file(path: Path, device: str | torch.device = "cpu") -> dic
         raise SpecheadError(f"corrupt weights file {path}: {e}") from e
 
 
+def is_gguf_target(name: str) -> bool:
+    """Whether a target spec names a GGUF file (a packaged model or a ``.gguf`` path)."""
+    return name in PACKAGED_TARGETS or Path(name).suffix == ".gguf"
+
+
+def target_precision(name: str, dtype: str | torch.dtype = "auto") -> str | torch.dtype:
+    """What a target runs in: ``gguf`` (its own blocks: the default for a GGUF target), ``q8`` / ``q4``, ``fp32``
+    (the default for a model folder) or a torch float dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return "gguf" if is_gguf_target(name) else "fp32"
+    if dtype not in PRECISIONS:
+        raise SpecheadError(f"unknown --dtype {dtype!r}; expected auto or one of {', '.join(PRECISIONS)}")
+    if dtype == "gguf" and not is_gguf_target(name):
+        raise SpecheadError(f"--dtype gguf runs a GGUF file's own weights; {name} is a model folder (use q8 or q4)")
+    return dtype
+
+
+def convert_quantized(name: str, precision: str, out: Path) -> Path:
+    """The converted integer-engine model of a target at ``gguf`` / ``q8`` / ``q4``, written to ``out`` once:
+    packed blocks (``model.safetensors``), config, tokenizer and the layout (``quantization.json``)."""
+    from spechead.model.gguf import read_gguf_weights
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    requantized: dict[str, tuple[str, float]] = {}
+    try:
+        if precision == "gguf":
+            with tempfile.TemporaryDirectory(dir=tmp) as work:
+                path = PACKAGED_TARGETS[name].gguf_path(Path(work)) if name in PACKAGED_TARGETS else Path(name)
+                print(f"[spechead] converting {path.name} at gguf once (cached in {out})", flush=True)
+                weights = read_gguf_weights(path)
+                cfg_dict, tok = _gguf_config_tokenizer(path)
+            tensors, requantized = weights.tensors, weights.requantized
+        else:
+            folder = resolve_target(name)
+            print(f"[spechead] quantizing {folder.name} to {precision} once (cached in {out})", flush=True)
+            cfg_dict = json.loads((folder / "config.json").read_text())
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(folder)
+            tensors = {k: quantize(v, precision) if v.dim() == 2 else v for k, v in read_safetensors(folder).items()}
+        cfg = ModelConfig.from_hf(cfg_dict)
+        if cfg.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        state, layout = pack_state(cfg, tensors)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+        tok.save_pretrained(tmp)
+        write_layout(tmp, layout, requantized)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if requantized:
+        worst = max(requantized.items(), key=lambda kv: kv[1][1])
+        types = sorted({t for t, _ in requantized.values()})
+        print(
+            f"[spechead] {len(requantized)} tensors ({', '.join(types)}) have no exact integer form here: "
+            f"requantized to q8, largest weight error {worst[1][1]:.3g} ({worst[0]})",
+            flush=True,
+        )
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / LAYOUT_FILE).is_file():
+            raise
+    return out
+
+
+def _gguf_config_tokenizer(path: Path) -> tuple[dict[str, Any], Any]:
+    """A GGUF file's Hugging Face config (as a dict) and tokenizer, through transformers, without its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        with _one_gguf_parse():
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    except Exception as e:  # transformers raises many types for a bad file
+        raise SpecheadError(f"cannot read GGUF file {path}: {e}") from e
+    cfg.pop("quantization_config", None)
+    cfg["_name_or_path"] = path.stem
+    return cfg, tok
+
+
+def quantized_folder(name: str, precision: str) -> Path:
+    """The cache folder of a target's converted model at ``precision``."""
+    if name in PACKAGED_TARGETS:
+        label = PACKAGED_TARGETS[name].folder
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise SpecheadError(f"target not found: {name}")
+        label = f"{path.stem}-{path.stat().st_size}" if path.is_file() else resolve_target(name).name
+    return cache_dir() / f"{label}-{precision}"
+
+
+def load_quantized(name: str, precision: str) -> tuple[Transformer, Path]:
+    """A target on the integer engine (``model.quantized``), converted once and cached; returns (model, folder)."""
+    folder = quantized_folder(name, precision)
+    if not (folder / LAYOUT_FILE).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        convert_quantized(name, precision, folder)
+    cfg = read_config(folder)
+    layout, _ = read_layout(folder)
+    state = read_safetensors(folder)
+    try:
+        return build(cfg, state, layout), folder
+    except (KeyError, ValueError) as e:
+        raise SpecheadError(
+            f"converted model in {folder} is incomplete ({e}): delete the folder to convert again"
+        ) from e
+
+
 def load_target(
-    name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
 ) -> tuple[Transformer, Path]:
-    """Build the engine's own ``Transformer`` from a target name; returns (model, folder)."""
+    """Build the engine's own ``Transformer`` from a target name at a precision (``target_precision``); returns
+    (model, folder)."""
+    precision = target_precision(name, dtype)
+    if precision in ("gguf", "q8", "q4"):
+        if torch.device(device).type != "cpu":
+            raise SpecheadError(f"--dtype {precision} runs on the CPU; use fp32 on {device}")
+        model, folder = load_quantized(name, str(precision))
+        model.precision = str(precision)
+        return model, folder
+    dtype = torch.float32 if precision == "fp32" else precision
     folder = resolve_target(name)
     cfg = read_config(folder)
     with torch.device("meta"):

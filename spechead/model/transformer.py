@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from spechead import kernels
 from spechead.kernels.linear import Projection, prepack_linears
+from spechead.kernels.qlinear import QuantLinear
 from spechead.model.config import ModelConfig
 from spechead.model.layers import (
     KERNEL_ROWS,
@@ -69,12 +70,13 @@ class Transformer(nn.Module):
         self.local_rotary: Rotary | None = None  # the sliding-window layers' RoPE (Gemma 3), else None
         self.local = [cfg.is_local(i) for i in range(n)]
         self.max_len, self.lanes = 0, 0
+        self.precision = "fp32"  # what its projections compute in: fp32, bf16 (float weights), gguf, q8, q4
         self._fused: list[tuple] | None = None  # llama_layer's per-layer arguments, built at the first forward
 
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
         lane per request a batched decoder holds at once)."""
-        cfg, p = self.config, self.lm_head.weight
+        cfg, p = self.config, self.model.norm.weight  # fp32 or the float dtype, at every precision
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
         if max_len == self.max_len and lanes <= self.lanes:  # lanes only grow: batch-1 decoders use lane 0
@@ -131,7 +133,7 @@ class Transformer(nn.Module):
         take the kernel for. One op a layer instead of ~25 Python-level calls; None otherwise."""
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if (
-            not isinstance(qkv, Projection)
+            not isinstance(qkv, (Projection, QuantLinear))
             or not qkv.on_kernel(x, is_prefill(segments))
             or any(s.t > KERNEL_ROWS for s in segments)
             or not kernel_rows(x)
@@ -161,12 +163,12 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
-            if not all(isinstance(li, Projection) for li in lin) or a.cache is None:
+            if not all(isinstance(li, (Projection, QuantLinear)) for li in lin) or a.cache is None:
                 return []
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps)
             if layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset:
                 return []
-            weights = tuple(li.layout.data for li in lin)
+            weights = tuple(li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin)
             widths = [li.out_features for li in lin]
             args.append((*norms, *weights, widths, (a.cache.k, a.cache.v), a.scale or cfg.head_dim**-0.5))
         return args

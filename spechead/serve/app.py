@@ -340,7 +340,7 @@ def build_worker(args) -> DecodeWorker:
     DecodeWorker.check_limits(args.queue_size, args.timeout, args.max_tokens, max_batch)
     check_head_spec(args.head)
     check_drafter_spec(args.drafter)
-    session = open_session(args.target, args.max_len)
+    session = open_session(args.target, args.max_len, args.dtype)
     drafter = resolve_drafter(args.drafter, session.target, args.arch)
     name = args.served_model_name or target_label(args.target)
     return DecodeWorker(

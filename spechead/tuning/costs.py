@@ -155,10 +155,10 @@ def measure_costs(session, drafter, head_specs: list[str], ks: list[int], ids: l
     """Median ms of the parts of a round, on a prefix of the first calibration prompt."""
     target = session.target
     want_aux = drafter.arch == "eagle3"
-    x = torch.tensor(ids, dtype=torch.long, device=target.lm_head.weight.device)
+    x = torch.tensor(ids, dtype=torch.long, device=target.model.norm.weight.device)
     drafter.setup_cache(session.max_len + 64)
     target.prepack()
-    drafter.prepack()  # as the decoders lay it out
+    drafter.prepack(target.precision)  # as the decoders lay it out
     pre = target(x, 0, want_aux=want_aux)
     feats = drafter.target_features(pre)
     costs: dict[str, Any] = {"prefix": x.numel()}

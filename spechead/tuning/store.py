@@ -73,10 +73,10 @@ def file_stats(path: Path) -> list[Any]:
 def target_identity(session) -> dict[str, Any]:
     """The target by its files, dtype, device and compilation (each changes the costs)."""
     target = session.target
-    w = target.lm_head.weight
+    w = target.model.norm.weight
     return {
         "files": file_stats(session.folder),
-        "dtype": str(w.dtype),
+        "dtype": target.precision,
         "device": str(w.device),
         "compiled": getattr(target, "_compiled_call_impl", None) is not None,
     }

@@ -60,7 +60,7 @@ _FAILED: dict[tuple, TuneResult] = {}  # (target, drafter, head, threads) -> the
 
 
 def open_session(
-    target: str = "demo", max_len: int = 4096, dtype: torch.dtype = torch.float32, compile: bool = False
+    target: str = "demo", max_len: int = 4096, dtype: str | torch.dtype = "auto", compile: bool = False
 ) -> Session:
     """``Session.open`` with the tuner as its tree resolver: what every user-facing entry point opens, so that
     ``tree="auto"`` is this machine's tuning."""

@@ -1,5 +1,6 @@
 // The Llama decoder layer's row-wise ops and the layer itself as one op: rms_norm, silu_mul (SiLU(gate) * up)
-// and llama_layer, which runs a layer over a few rows of several requests with draft_linear (gemm.cpp) and the
+// and llama_layer, which runs a layer over a few rows of several requests with draft_linear (gemm.cpp) or qlinear
+// (qgemm.cpp) and the
 // attention plans (attention.cpp).
 //
 // Row-count property: rms_norm and silu_mul compute each row alone in one fixed order, and llama_layer is made of
@@ -36,6 +37,12 @@ inline float silu1_exp(float g) {  // exp(-|g|) as silu_mul's vectors give it, f
 at::Tensor narrow_cols(const at::Tensor& y, int64_t n) { return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous(); }
 
 }  // namespace
+
+at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t n) {
+  TORCH_CHECK(w.size() == 1 || w.size() == 3, "project: a weight is one blocked tensor or (data, scale, min)");
+  if (w.size() == 3) return qlinear(x, w[0], w[1], w[2], n);
+  return narrow_cols(draft_linear(x, w[0], (n + kLanes - 1) / kLanes), n);
+}
 
 // y = x / sqrt(mean(x^2) + eps) * w for fp32 rows. A decode step runs 61 of these on 576-wide rows; torch's CPU
 // rms_norm is several ops (~12-35 us each call), this is one pass of a few microseconds. Rows are independent and
@@ -119,8 +126,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 // request's rows [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]``, their keys at
 // ``starts[i]``.
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                       const at::Tensor& w_qkv, const at::Tensor& w_o, const at::Tensor& w_gu,
-                       const at::Tensor& w_down, at::IntArrayRef widths, const at::Tensor& cos,
+                       at::TensorList w_qkv, at::TensorList w_o, at::TensorList w_gu, at::TensorList w_down,
+                       at::IntArrayRef widths, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef row0,
                        at::IntArrayRef rows, at::IntArrayRef lanes, at::IntArrayRef starts,
                        const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from, double scale) {
@@ -132,8 +139,7 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Ten
   const int64_t D = cos.size(1), KV = k_cache.size(1), d = x.size(1);
   const int64_t nq = widths[0] - 2 * KV * D;
   TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "llama_layer: widths do not fit the cache");
-  const auto blocks = [](int64_t n) { return (n + kLanes - 1) / kLanes; };
-  const at::Tensor qkv = narrow_cols(draft_linear(rms_norm(x, ln1, eps), w_qkv, blocks(widths[0])), widths[0]);
+  const at::Tensor qkv = project(rms_norm(x, ln1, eps), w_qkv, widths[0]);
   at::Tensor att = at::empty({x.size(0), nq}, x.options());
   // every request's attention planned, then all their tasks in one parallel loop (run_plans)
   std::vector<AttendPlan> plans;
@@ -147,9 +153,9 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Ten
                                 masks.get(p), kv_from[p], scale, att.data_ptr<float>() + row0[p] * nq, min_tasks));
   }
   run_plans(plans);
-  const at::Tensor h = x + narrow_cols(draft_linear(att, w_o, blocks(d)), d);
-  const at::Tensor gu = narrow_cols(draft_linear(rms_norm(h, ln2, eps), w_gu, blocks(widths[2])), widths[2]);
-  return h + narrow_cols(draft_linear(silu_mul(gu), w_down, blocks(d)), d);
+  const at::Tensor h = x + project(att, w_o, d);
+  const at::Tensor gu = project(rms_norm(h, ln2, eps), w_gu, widths[2]);
+  return h + project(silu_mul(gu), w_down, d);
 }
 
 }  // namespace SPECHEAD_NS

@@ -23,6 +23,15 @@ namespace SPECHEAD_NS {
 // gemm.cpp
 at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks);
 
+// qgemm.cpp: the integer block GEMM and the path it takes on this CPU (avx512-vnni, avx2, portable)
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                   int64_t n);
+const char* qlinear_path();
+
+// A projection's weight as llama_layer takes it: one blocked fp32 / bf16 tensor (draft_linear) or a quantized
+// weight's data, scale and min (qlinear); y [M, n].
+at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t n);
+
 // topk.cpp
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x, int64_t k, bool log_softmax,
                                             const std::optional<at::Tensor>& index_map);
@@ -68,8 +77,8 @@ void run_plans(const std::vector<AttendPlan>& plans);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                       const at::Tensor& w_qkv, const at::Tensor& w_o, const at::Tensor& w_gu,
-                       const at::Tensor& w_down, at::IntArrayRef widths, const at::Tensor& cos,
+                       at::TensorList w_qkv, at::TensorList w_o, at::TensorList w_gu, at::TensorList w_down,
+                       at::IntArrayRef widths, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef row0,
                        at::IntArrayRef rows, at::IntArrayRef lanes, at::IntArrayRef starts,
                        const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from, double scale);

@@ -3,12 +3,15 @@
 // this folder once per instruction set and picks the build the library uses.
 #include <torch/library.h>
 
+#include <string>
+
 #include "ops.h"
 
 namespace SPECHEAD_NS {
 namespace {
 
 int64_t vector_lanes() { return W; }
+std::string qlinear_path_name() { return qlinear_path(); }
 
 }  // namespace
 }  // namespace SPECHEAD_NS
@@ -19,6 +22,8 @@ int64_t vector_lanes() { return W; }
 
 SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
   m.def("draft_linear(Tensor x, Tensor w, int blocks) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor data, Tensor scale, Tensor min, int n) -> Tensor");
+  m.def("qlinear_path() -> str", SPECHEAD_NS::qlinear_path_name);
   m.def("row_topk(Tensor x, int k, bool log_softmax=False, Tensor? index_map=None) -> (Tensor, Tensor)");
   m.def(
       "active_set_add(Tensor cand, Tensor(a!) in_set, Tensor(b!) slot_of, Tensor(c!) ids, Tensor(d!) last_hit, "
@@ -30,13 +35,15 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
       "int lane, int start, Tensor? mask, int kv_from, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def(
-      "llama_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor w_qkv, Tensor w_o, Tensor w_gu, Tensor w_down, "
+      "llama_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] w_qkv, Tensor[] w_o, Tensor[] w_gu, "
+      "Tensor[] w_down, "
       "int[] widths, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int[] row0, int[] rows, "
       "int[] lanes, int[] starts, Tensor?[] masks, int[] kv_from, float scale) -> Tensor");
   m.def("vector_lanes() -> int", SPECHEAD_NS::vector_lanes);
 }
 SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("draft_linear", SPECHEAD_NS::draft_linear);
+  m.impl("qlinear", SPECHEAD_NS::qlinear);
   m.impl("row_topk", SPECHEAD_NS::row_topk);
   m.impl("active_set_add", SPECHEAD_NS::active_set_add);
   m.impl("rms_norm", SPECHEAD_NS::rms_norm);

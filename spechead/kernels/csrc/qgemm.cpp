@@ -1,0 +1,428 @@
+// qlinear: y = x @ W.T with W in 32-value integer blocks (the GGUF file's own Q8_0 / Q4_x values) and x quantized
+// per row and per block to int8, the products summed exactly in int32.
+//
+// Why: a decode step of a quantized checkpoint should cost the bytes of its quantized weights, and a 16-row
+// verification should cost about what one row costs. Integer dot products do 4x (vpmaddubsw) to 16x (vpdpbusd on
+// 512 bits) the multiply-adds per instruction of fp32 FMA, so the rows of a verification ride along with the bytes
+// of one decode step.
+//
+// The contract, tested for every path the CPU runs (tests/test_qlinear.py): a row's result bits depend on that row
+// and the weight alone, not on how many rows share the call, not on the instruction set, not on the thread count.
+// It holds by construction:
+//   1. each activation row is quantized alone, per 32-value block: amax, d = amax / 127, q = nearest-even(x * 127 /
+//      amax) (quantize_rows, one scalar implementation for every path), with the block's int32 sum s and d * s;
+//   2. a block's dot product is exact in int32 on every path (q4: u4 x s8 pairs never saturate vpmaddubsw's int16,
+//      2 * 15 * 127; q8: |w| x sign(a, w) at most 2 * 128 * 127; vpdpbusd accumulates in int32, q8 weights biased
+//      by 128 and the bias removed exactly as 128 * s);
+//   3. one float epilogue per output in block order, the same operations on every path:
+//      acc = fma(float(isum), dw * da, acc), then for q4 acc = fma(mw, da * s, acc);
+//   4. vectors run across output columns, threads split the output columns, never K.
+//
+// Weight layout (kernels/qlinear.py packs it), panels of 16 output columns:
+//   data  uint8 [N/16, K/32, B]: per block, 8 groups of 4 consecutive k; a group is 64 bytes = 16 columns x 4 k.
+//         q8: B = 512, the 8 groups in order, int8 values. q4: B = 256, 4 chunks of 64 bytes, the low nibble of
+//         chunk h holding group h and the high nibble group h + 4, values 0..15.
+//   scale float [N/16, K/32, 16] and, for q4, min float [N/16, K/32, 16].
+// A group's 64 bytes are one 512-bit vector of 16 int32 lanes of 4 bytes each: what vpdpbusd consumes, and, split in
+// halves, two 256-bit vectors for AVX2; AMX's B tile rows have the same layout.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(SPECHEAD_ISA_AVX512) && defined(__GNUC__)
+#define SPECHEAD_VNNI_TARGET __attribute__((target("avx512vnni,avx512bw,avx512f")))
+#endif
+
+namespace SPECHEAD_NS {
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kMaxRows = 8;  // rows a vector tile takes; more rows run in tiles of at most this many
+constexpr int64_t kAmxRows = 2;  // calls of at least this many rows take AMX where the OS grants it
+
+// The activation rows of one call, quantized: q [M, K] int8, and per row and block d, the int32 sum s and d * s.
+struct QRows {
+  int64_t M = 0, K = 0, KB = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s;
+};
+
+QRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QRows a;
+  a.M = M, a.K = K, a.KB = K / kBlock;
+  a.q.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * a.KB));
+  a.ds.resize(a.d.size());
+  a.s.resize(a.d.size());
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < a.KB; ++b) {
+      const float* v = x + r * K + b * kBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = a.q.data() + r * K + b * kBlock;
+      int32_t s = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const float t = v[i] * id;  // |t| <= 127 up to one rounding, so the integer fits
+        q[i] = static_cast<int8_t>(std::nearbyint(t));
+        s += q[i];
+      }
+      const int64_t j = r * a.KB + b;
+      a.d[j] = d, a.s[j] = s, a.ds[j] = d * static_cast<float>(s);
+    }
+  }
+  return a;
+}
+
+// ---- the portable path: the definition the vector paths reproduce bit for bit ---------------------------------
+template <bool Q4>
+void panel_portable(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0, int64_t rows,
+                    float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t B = Q4 ? 256 : 512;
+  int8_t w[16][kBlock];  // one block, unpacked to [column][k]
+  std::vector<float> acc(static_cast<size_t>(rows * 16), 0.0f);
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const uint8_t* blk = wd + b * B;
+    for (int g = 0; g < 8; ++g)
+      for (int c = 0; c < 16; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const int i = c * 4 + j;
+          w[c][4 * g + j] = Q4 ? static_cast<int8_t>(g < 4 ? blk[64 * g + i] & 15 : blk[64 * (g - 4) + i] >> 4)
+                               : static_cast<int8_t>(blk[64 * g + i]);
+        }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t j = (r0 + r) * a.KB + b;
+      const int8_t* q = a.q.data() + (r0 + r) * a.K + b * kBlock;
+      for (int c = 0; c < 16; ++c) {
+        int32_t isum = 0;
+        for (int k = 0; k < kBlock; ++k) isum += static_cast<int32_t>(w[c][k]) * q[k];
+        float& o = acc[r * 16 + c];
+        o = std::fma(static_cast<float>(isum), ws[b * 16 + c] * a.d[j], o);
+        if (Q4) o = std::fma(wm[b * 16 + c], a.ds[j], o);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * ldy + c] = acc[r * 16 + c];
+}
+
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+// ---- AVX2: vpmaddubsw + vpmaddwd, 8 columns per vector, a panel is two vectors --------------------------------
+template <bool Q4, int R>
+void panel_avx2(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0, float* y,
+                int64_t ldy, int64_t cols) {
+  constexpr int64_t B = Q4 ? 256 : 512;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  alignas(64) uint8_t unpacked[512];
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const uint8_t* blk = wd + b * B;
+    if (Q4) {  // the block's nibbles to bytes once, for every row
+      for (int h = 0; h < 4; ++h)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * half));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + 64 * h + 32 * half), _mm256_and_si256(v, low));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + 64 * (h + 4) + 32 * half),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        }
+      blk = unpacked;
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 dw = _mm256_loadu_ps(ws + b * 16 + 8 * half);
+      const __m256 mw = Q4 ? _mm256_loadu_ps(wm + b * 16 + 8 * half) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t j = (r0 + r) * a.KB + b;
+        const int32_t* q4 = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K + b * kBlock);
+        __m256i isum;
+        if (Q4) {  // eight groups' u4 x s8 pair sums fit int16 together: 8 * 2 * 15 * 127 < 32768
+          __m256i s16 = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(q4[g])));
+          }
+          isum = _mm256_madd_epi16(s16, ones);
+        } else {
+          isum = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(q4[g]), w));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+          }
+        }
+        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[j])), acc[r][half]);
+        if (Q4) o = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[j]), o);
+        acc[r][half] = o;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::copy(out, out + cols, y + (r0 + r) * ldy);
+  }
+}
+#endif
+
+#if defined(SPECHEAD_VNNI_TARGET)
+// ---- AVX512-VNNI: vpdpbusd, a panel is one vector of 16 int32 lanes -------------------------------------------
+template <bool Q4, int R>
+SPECHEAD_VNNI_TARGET void panel_vnni(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0,
+                                     float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t B = Q4 ? 256 : 512;
+  const __m512i low = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const uint8_t* blk = wd + b * B;
+    __m512i w[8];
+    if (Q4) {
+      for (int h = 0; h < 4; ++h) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * h);
+        w[h] = _mm512_and_si512(v, low);
+        w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {  // int8 -> uint8 biased by 128, for vpdpbusd's unsigned operand
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * g), bias);
+    }
+    const __m512 dw = _mm512_loadu_ps(ws + b * 16);
+    const __m512 mw = Q4 ? _mm512_loadu_ps(wm + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t j = (r0 + r) * a.KB + b;
+      const int32_t* q4 = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K + b * kBlock);
+      __m512i isum = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) isum = _mm512_dpbusd_epi32(isum, w[g], _mm512_set1_epi32(q4[g]));
+      if (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.s[j]));
+      __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[j])), acc[r]);
+      if (Q4) o = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[j]), o);
+      acc[r] = o;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == 16) {
+      _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
+    } else {
+      _mm512_mask_storeu_ps(y + (r0 + r) * ldy, static_cast<__mmask16>((1u << cols) - 1), acc[r]);
+    }
+  }
+}
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+#endif
+
+
+#if defined(SPECHEAD_VNNI_TARGET)
+// ---- AMX: tdpbssd, one tile product per (panel, block) for up to 16 rows ---------------------------------------
+// The activations' 32 bytes per row are the A tile, the block's 8 groups of 64 bytes exactly the B tile (16
+// columns x 4 k per row, q4 unpacked first), C the int32 block sums of 16 rows x 16 columns: the same exact
+// integers as vpdpbusd's, then the same epilogue. The OS must grant the tile state (amx_granted).
+#define SPECHEAD_AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512vnni,avx512bw,avx512f")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <bool Q4>
+SPECHEAD_AMX_TARGET void panels_amx(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, float* y,
+                                    int64_t ldy, int64_t p0, int64_t p1, int64_t n) {
+  constexpr int64_t B = Q4 ? 256 : 512;
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) uint8_t unpacked[512];
+  alignas(64) int32_t c[16 * 16];
+  for (int64_t r0 = 0; r0 < a.M; r0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, a.M - r0));
+    TileConfig cfg;
+    cfg.rows[0] = static_cast<uint8_t>(rows), cfg.colsb[0] = 64;  // C: rows x 16 int32
+    cfg.rows[1] = static_cast<uint8_t>(rows), cfg.colsb[1] = 32;  // A: rows x 32 int8
+    cfg.rows[2] = 8, cfg.colsb[2] = 64;                           // B: 8 groups x (16 columns x 4 k)
+    _tile_loadconfig(&cfg);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* pd = wd + p * a.KB * B;
+      const float* ps = ws + p * a.KB * 16;
+      const float* pm = Q4 ? wm + p * a.KB * 16 : nullptr;
+      __m512 acc[16];
+      for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < a.KB; ++b) {
+        const uint8_t* blk = pd + b * B;
+        if (Q4) {
+          for (int h = 0; h < 4; ++h) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * h);
+            _mm512_store_si512(unpacked + 64 * h, _mm512_and_si512(v, low));
+            _mm512_store_si512(unpacked + 64 * (h + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+          }
+          blk = unpacked;
+        }
+        _tile_zero(0);
+        _tile_loadd(1, a.q.data() + r0 * a.K + b * kBlock, a.K);
+        _tile_loadd(2, blk, 64);
+        _tile_dpbssd(0, 1, 2);
+        _tile_stored(0, c, 64);
+        const __m512 dw = _mm512_loadu_ps(ps + b * 16);
+        const __m512 mw = Q4 ? _mm512_loadu_ps(pm + b * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; ++r) {
+          const int64_t j = (r0 + r) * a.KB + b;
+          const __m512i isum = _mm512_load_si512(c + 16 * r);
+          __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[j])), acc[r]);
+          if (Q4) o = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[j]), o);
+          acc[r] = o;
+        }
+      }
+      const int64_t cols = std::min<int64_t>(16, n - p * 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+      for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + p * 16, mask, acc[r]);
+    }
+  }
+  _tile_release();
+}
+
+// Whether this process may use the tile registers: the CPU has AMX-INT8 and Linux grants the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once); SPECHEAD_AMX=0 declines it.
+bool amx_granted() {
+  static const bool granted = [] {
+    const char* env = std::getenv("SPECHEAD_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile")) return false;
+#if defined(__linux__)
+    constexpr long kReqPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+#endif
+
+using PanelFn = void (*)(const uint8_t*, const float*, const float*, const QRows&, int64_t, float*, int64_t, int64_t);
+
+template <template <bool, int> class Table, bool Q4, size_t... I>
+constexpr std::array<PanelFn, sizeof...(I)> make_table(std::index_sequence<I...>) {
+  return {Table<Q4, static_cast<int>(I) + 1>::fn...};
+}
+
+#if defined(SPECHEAD_VNNI_TARGET)
+template <bool Q4, int R>
+struct Vnni {
+  static constexpr PanelFn fn = panel_vnni<Q4, R>;
+};
+#endif
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+template <bool Q4, int R>
+struct Avx2 {
+  static constexpr PanelFn fn = panel_avx2<Q4, R>;
+};
+#endif
+
+// The tile functions the CPU runs, by rows (1..kMaxRows); empty on the portable path.
+template <bool Q4>
+const PanelFn* tiles() {
+#if defined(SPECHEAD_VNNI_TARGET)
+  static constexpr auto vnni = make_table<Vnni, Q4>(std::make_index_sequence<kMaxRows>{});
+  if (cpu_has_vnni()) return vnni.data();
+#endif
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+  static constexpr auto avx2 = make_table<Avx2, Q4>(std::make_index_sequence<kMaxRows>{});
+  return avx2.data();
+#else
+  return nullptr;
+#endif
+}
+
+template <bool Q4>
+void run_panels(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, float* y, int64_t N, int64_t p0,
+                int64_t p1) {
+  constexpr int64_t B = Q4 ? 256 : 512;
+  const PanelFn* table = tiles<Q4>();
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pd = wd + p * a.KB * B;
+    const float* ps = ws + p * a.KB * 16;
+    const float* pm = Q4 ? wm + p * a.KB * 16 : nullptr;
+    const int64_t cols = std::min<int64_t>(16, N - p * 16);
+    float* py = y + p * 16;
+    for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, a.M - r0);
+      if (table != nullptr)
+        table[rows - 1](pd, ps, pm, a, r0, py, N, cols);
+      else
+        panel_portable<Q4>(pd, ps, pm, a, r0, rows, py, N, cols);
+    }
+  }
+}
+
+}  // namespace
+
+const char* qlinear_path() {
+#if defined(SPECHEAD_VNNI_TARGET)
+  if (amx_granted()) return "amx";
+  if (cpu_has_vnni()) return "avx512-vnni";
+#endif
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// x [M, K] float rows; data / scale / min as in the header (min empty for q8); y [M, n] fp32, n <= N/16 * 16.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                   int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qlinear: x must be a 2-D CPU tensor");
+  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "qlinear: data must be contiguous uint8 [N/16, K/32, bytes]");
+  const bool q4 = data.size(2) == 256;
+  TORCH_CHECK(q4 || data.size(2) == 512, "qlinear: a block is 256 (q4) or 512 (q8) bytes, got ", data.size(2));
+  const int64_t NP = data.size(0), KB = data.size(1), K = KB * kBlock;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == NP * KB * 16,
+              "qlinear: scale must be contiguous fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(!q4 || (min.scalar_type() == at::kFloat && min.is_contiguous() && min.numel() == NP * KB * 16),
+              "qlinear: a q4 weight needs its min, fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(x.size(1) == K, "qlinear: x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(n >= 1 && n <= NP * 16 && x.size(0) >= 1, "qlinear: bad output width or no rows");
+  const at::Tensor xs = x.to(at::kFloat).contiguous();
+  const QRows a = quantize_rows(xs.data_ptr<float>(), x.size(0), K);
+  at::Tensor y = at::empty({a.M, n}, x.options().dtype(at::kFloat));
+  const uint8_t* wd = data.data_ptr<uint8_t>();
+  const float* ws = scale.data_ptr<float>();
+  const float* wm = q4 ? min.data_ptr<float>() : nullptr;
+  float* py = y.data_ptr<float>();
+  const int64_t panels = (n + 15) / 16;
+  // a task is a run of panels: 4 panels x K = 576 is ~37 KB of q8 weights, well above the fork cost
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+#if defined(SPECHEAD_VNNI_TARGET)
+    if (a.M >= kAmxRows && amx_granted()) {
+      if (q4)
+        panels_amx<true>(wd, ws, wm, a, py, n, p0, p1, n);
+      else
+        panels_amx<false>(wd, ws, wm, a, py, n, p0, p1, n);
+      return;
+    }
+#endif
+    if (q4)
+      run_panels<true>(wd, ws, wm, a, py, n, p0, p1);
+    else
+      run_panels<false>(wd, ws, wm, a, py, n, p0, p1);
+  });
+  return y;
+}
+
+}  // namespace SPECHEAD_NS
