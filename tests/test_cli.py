@@ -1,15 +1,17 @@
 """The command line on bad input: one clear line on stderr, non-zero exit, no traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=None):
+    env = None if env is None else {**os.environ, **env}
     return subprocess.run(
-        [sys.executable, "-m", "spechead.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "spechead.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -37,6 +39,7 @@ def run(*args, timeout=300):
         (["train-drafter", "--out", "/no/such/run", "--target", "/no/such/model", "--epochs", "0"], "--epochs"),
         (["generate", "--prompt", "hi", "--tree", "chain:100000"], "at most 1024 tokens"),  # drafted for minutes
         (["generate", "--prompt", "hi", "--tree", "chain:0"], "a chain drafts at least 1 token"),
+        (["generate", "--prompt", "hi", "--head", "nanospec:3072:q3"], "bad head option 'q3'"),
         # a head's options in --methods were checked after loading, and a bad one skipped with exit 0
         (["bench", "--methods", "ar,nanospec:abc", "--target", "/no/such/model"], "method 'nanospec:abc'"),
         (["gen-data", "--data", "x.jsonl", "--out", "/no/such/o.jsonl", "--temperature", "-1"], "--temperature"),
@@ -57,6 +60,7 @@ def test_bad_input_is_one_line(args, message):
     "args, message",
     [
         (["generate", "--prompt", "hi", "--threads", "0"], "--threads: expected a positive integer"),
+        (["generate", "--prompt", "hi", "--dtype", "int3"], "--dtype: unknown dtype 'int3'"),
         (["generate", "--prompt", "hi", "--threads", "-2"], "--threads: expected a positive integer"),
         (["generate", "--prompt", "hi", "--max-len", "-5"], "--max-len: expected a positive integer"),
         # sampling and lengths: spechead.options' checks, as the API and the server make them
@@ -119,6 +123,25 @@ def test_export_never_writes_over_a_folder(tmp_path):
         r = run("export", "--drafter", str(tmp_path), "--out", str(out), "--target", "/no/such/model")
         assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_a_truncated_gguf_target_is_one_error_line(tmp_path, monkeypatch):
+    """A GGUF cut short is refused when it is read: one line, exit code 2, nothing left in the cache."""
+    from spechead.model.loading import PACKAGED_TARGETS
+
+    demo = PACKAGED_TARGETS["demo"].gguf_path(tmp_path)
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(demo.read_bytes()[: 4 << 20])
+    cache = tmp_path / "cache"
+    r = run("generate", "--prompt", "hi", "--method", "ar", "--target", str(bad), env={"SPECHEAD_CACHE": str(cache)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cut.gguf" in [ln for ln in r.stderr.splitlines() if ln.startswith("spechead: error")][0]
+    assert not any(p.name.startswith("cut") for p in cache.iterdir())
+
+
+def test_gguf_needs_a_gguf_target(tiny_dir):
+    r = run("generate", "--prompt", "hi", "--method", "ar", "--target", str(tiny_dir), "--dtype", "gguf")
+    assert r.returncode == 2 and "runs a GGUF file's own weights" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_corrupt_drafter_checkpoint(tmp_path):

@@ -18,6 +18,7 @@ from torch import Tensor
 from spechead.errors import SpecheadError
 from spechead.heads.base import DraftHead, register_head, topk_logprobs
 from spechead.kernels.linear import PackedLinear
+from spechead.kernels.qlinear import QuantWeight
 from spechead.model.lowrank import LowRankLinear, check_rank, default_rank, svd_factors, truncate_factors
 
 
@@ -45,6 +46,8 @@ class LowRankScorer:
                     up, down = truncate_factors(up, down, r)
             return cls(up, down)
         d = weight.shape[1]
+        if isinstance(weight, QuantWeight):  # the factors of the matrix the blocks stand for
+            weight = weight.blocks().dequantize()
         return cls(*svd_factors(weight, default_rank(d) if r is None else r))
 
     @property
