@@ -1,7 +1,8 @@
 """The demo target's decode step against its bytes floor, and a verification of 1-16 rows against the step,
 on the kernel build this process uses (run it once per build with SPECHEAD_ISA=avx512|avx2|generic).
 
-The floor: a decode step reads every weight once (537 MB in fp32 for SmolLM2-135M), so it cannot beat
+The floor: a decode step reads every weight once (537 MB in fp32 for SmolLM2-135M, 112 MB of packed blocks at
+gguf: ``--dtype``), so it cannot beat
 bytes / read bandwidth, the bandwidth measured here as the median of a sum over 256 MB (the same
 measurement the benchmark's step figures use). Steps run at 600 tokens of context, under a tree mask for
 verification as in the engine; medians of --repeats after two warm-ups, the bandwidth sampled between steps.
@@ -27,6 +28,7 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rows", default="1,2,4,8,12,16")
 p.add_argument("--context", type=int, default=600, help="tokens already in the cache")
 p.add_argument("--repeats", type=int, default=15)
+p.add_argument("--dtype", default="auto", help="the target's precision: auto (gguf), gguf, fp32")
 p.add_argument("--out", required=True, help="JSON file to write")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
@@ -42,13 +44,16 @@ def read_gbps() -> float:
     return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-model = Session.open("demo", 2048).target
+model = Session.open("demo", 2048, dtype=args.dtype).target
 model.prepack()
-weights = sum(
-    p.numel() * p.element_size()
-    for n, p in model.named_parameters()
-    if "embed_tokens" not in n or model.config.tie_word_embeddings
-)  # the tied embedding is the LM head: read once per step
+# every tensor a step reads once: parameters and the quantized projections' blocks (a tied embedding is the LM
+# head, read once per step; an untied one is only indexed)
+tensors = {
+    t.data_ptr(): t
+    for n, t in [*model.named_parameters(), *model.named_buffers()]
+    if ("embed_tokens" not in n or model.config.tie_word_embeddings) and "cache" not in n and "rotary" not in n
+}
+weights = sum(t.numel() * t.element_size() for t in tensors.values())
 ids = torch.randint(0, 40000, (ctx + max(rows),), generator=torch.Generator().manual_seed(0))
 ms: dict[int, float] = {}
 bw: list[float] = []
@@ -74,6 +79,7 @@ result = {
     "machine": machine_facts(args.threads),
     "kernels": kernels.active_isa() or f"none: {kernels.unavailable_reason()}",
     "SPECHEAD_ISA": os.environ.get("SPECHEAD_ISA", ""),
+    "dtype": model.precision,
     "context_tokens": ctx,
     "weights_MB": round(weights / 1e6, 1),
     "read_GBps": round(gbps, 2),
