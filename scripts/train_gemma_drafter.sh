@@ -48,11 +48,11 @@ spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,hum
   --methods $M,eagle@$T,fr@$T,vocabtrim@$T,nanospec@$T,hybrid@$T,lowrank@$T,eagle@2x1x4,eagle@chain:3 \
   --json $R/bench.json --report $R/report --quiet
 spechead bench-heads --shape gemma3-270m --batch 1,10 --dtype fp32 --threads 2 --json $R/heads_fp32.json
-# 8. how many prompt rows NanoSpec's Ctx source reads (the prefill computes the 262k-way head at each of them)
+# 8. NanoSpec with and without its source from the target's top logits over the prompt (ctx_topk)
 spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
   --max-new-tokens 96 --threads 2 --no-guard \
-  --methods ar,eagle@$T,nanospec:ctx_rows=0@$T,nanospec:ctx_rows=64@$T,nanospec:ctx_rows=16@$T,nanospec:ctx_topk=0@$T \
-  --json $R/bench_ctx_rows.json --quiet
+  --methods ar,eagle@$T,nanospec@$T,nanospec:ctx_topk=0@$T \
+  --json $R/bench_ctx_topk.json --quiet
 # 9. the drafter alone on larger trees (tau only: the full head's cost does not change it, FR-Spec's list covers it)
 spechead bench --target gemma3-270m --drafter $OUT/eagle2 --suite spec-bench,humaneval:3 --limit 1 --limit-mt 1 \
   --max-new-tokens 96 --threads 2 --no-guard --methods fr@2x4x8,fr@4x4x16,eagle@10x6x60 --json $R/bench_trees.json --quiet
