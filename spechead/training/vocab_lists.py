@@ -20,6 +20,7 @@ from torch import Tensor
 
 from spechead.errors import SpecheadError
 from spechead.heads.tokenmaps import save_token_map
+from spechead.kernels.qlinear import QuantWeight
 from spechead.training.data import read_jsonl
 
 
@@ -164,6 +165,8 @@ def drafter_proposals(session, drafter, prompts: list[list[dict]], max_new_token
     target = session.target
     V = target.config.vocab_size
     weight, row_ids = drafter.head_weight(target)
+    if isinstance(weight, QuantWeight):  # a quantized target's head: rank by the matrix its blocks stand for
+        weight = weight.blocks().dequantize()
     dec = session.decoder(drafter, "full")
     counts = torch.zeros(V, dtype=torch.long)
     mass = torch.zeros(V, dtype=torch.float64)
