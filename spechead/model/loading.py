@@ -219,8 +219,10 @@ def target_precision(name: str, dtype: str | torch.dtype = "auto") -> str | torc
     (the default for a model folder) or a torch float dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return "gguf" if is_gguf_target(name) else "fp32"
+    if dtype == "auto":  # the integer engine needs a kernel build: without one its tensor-op reference is slow
+        from spechead import kernels
+
+        return "gguf" if is_gguf_target(name) and kernels.available() else "fp32"
     if dtype not in PRECISIONS:
         raise SpecheadError(f"unknown --dtype {dtype!r}; expected auto or one of {', '.join(PRECISIONS)}")
     if dtype == "gguf" and not is_gguf_target(name):
