@@ -34,7 +34,8 @@ class HFRunner:
         if model is None:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(session.folder, dtype=session.target.lm_head.weight.dtype)
+            dtype = session.target.model.norm.weight.dtype
+            model = AutoModelForCausalLM.from_pretrained(session.float_folder, dtype=dtype)
             model.eval()
         self.model, self.pld = model, pld
         self.stop_ids = session.stop_ids

@@ -118,6 +118,16 @@ class Session:
         return cls(model, folder, load_tokenizer(folder), max_len, tree_resolver, target)
 
     @property
+    def float_folder(self) -> Path:
+        """The target as a Hugging Face folder of float weights (for transformers and vLLM): the session's own folder,
+        or, for a target on the integer engine, its float conversion."""
+        if self.target.precision in ("gguf", "q8", "q4"):
+            from spechead.model.loading import resolve_target
+
+            return resolve_target(self.source or str(self.folder))
+        return self.folder
+
+    @property
     def stop_ids(self) -> list[int]:
         return stop_token_ids(self.tokenizer, self.target.config)
 

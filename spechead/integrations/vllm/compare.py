@@ -160,7 +160,7 @@ def vllm_job(
     """One job for ``run.spawn`` on the session's target folder (greedy, token-id prompts): AR for
     ``speculative_config=None``; ``method`` adds the engine arguments its head needs."""
     return {
-        "target": str(session.folder),
+        "target": str(session.float_folder),
         "hf_overrides": {"architectures": ["LlamaForCausalLM"]},  # the demo folder's config names none
         "prompts": prompts,
         "batches": list(batches),
