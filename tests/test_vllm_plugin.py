@@ -34,7 +34,7 @@ HEADS = [
 def setup(tmp_path_factory):
     from spechead.decoding.session import Session
 
-    session = Session.open("demo", max_len=1024)
+    session = Session.open("demo", max_len=1024, dtype="fp32")  # as vLLM runs the target: its acceptance is compared
     prompts = [session.encode(p) for p in PROMPTS]
     return session, prompts, tmp_path_factory.mktemp("vllm-export")
 
