@@ -113,8 +113,7 @@ PRECISIONS = ("auto", "gguf", "q8", "q4", "fp32")
 
 def precision(value: Any, name: str = "dtype") -> str:
     """What the target computes in: ``auto`` (``gguf`` for a GGUF target where a kernel build runs, else ``fp32``),
-    ``gguf``, ``q8``, ``q4``
-    or ``fp32`` (``model.loading.target_precision`` checks it against the target)."""
+    ``gguf``, ``q8``, ``q4`` or ``fp32`` (``model.loading.target_precision`` checks it against the target)."""
     if value not in PRECISIONS:
         raise _error(name, f"unknown {name} {value!r}; expected one of {', '.join(PRECISIONS)}")
     return value

@@ -171,7 +171,7 @@ class QuantLinear(nn.Module):
 
     @property
     def format(self) -> str:
-        return "q4" if self.data.shape[2] == 256 else "q8"
+        return self.layout.format
 
     @property
     def weight(self) -> Tensor:
