@@ -16,6 +16,8 @@ the kernel's: it multiplies and adds where the kernel fuses).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -137,7 +139,7 @@ class QuantWeight:
         xb = x.detach().float().reshape(m, k // BLOCK, BLOCK)
         amax = xb.abs().amax(-1)
         d = amax / 127.0
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # as the kernel
         qa = torch.round(xb * inv[..., None]).to(torch.int32)  # round half to even, as the kernel's nearbyint
         s = qa.sum(-1)
         wb = self.blocks(torch.arange(n))
@@ -193,14 +195,25 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
 
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None], skip: tuple[str, ...] = ()) -> None:
+    """Put ``make(linear)`` in place of every ``nn.Linear`` of ``model`` but those under the submodule names in
+    ``skip``; a linear for which ``make`` returns None stays."""
+    for name, child in list(model.named_modules()):
+        if not isinstance(child, nn.Linear) or any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        new = make(child)
+        if new is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
+
+
 def quantize_linears(model: nn.Module, fmt: str, skip: tuple[str, ...] = ()) -> None:
     """Swap a ``QuantLinear`` at ``fmt`` in for every ``nn.Linear`` of ``model`` (but those under ``skip``): its
     weight quantized per 32-value block (``quant.quantize``), the float weight dropped. Idempotent."""
-    for name, child in list(model.named_modules()):
-        if any(name == s or name.startswith(s + ".") for s in skip) or not isinstance(child, nn.Linear):
-            continue
-        if child.in_features % BLOCK:
-            continue  # the kernel's blocks need K divisible by 32: this one stays float
-        lin = QuantLinear(QuantWeight.pack(quantize(child.weight.detach(), fmt)), child.bias)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, lin)
+
+    def make(lin: nn.Linear) -> QuantLinear | None:
+        if lin.in_features % BLOCK:
+            return None  # the kernel's blocks need K divisible by 32: this one stays float
+        return QuantLinear(QuantWeight.pack(quantize(lin.weight.detach(), fmt)), lin.bias)
+
+    swap_linears(model, make, skip)
