@@ -122,6 +122,14 @@ void panel_portable(const uint8_t* wd, const float* ws, const float* wm, const Q
 
 #if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
 // ---- AVX2: vpmaddubsw + vpmaddwd, 8 columns per vector, a panel is two vectors --------------------------------
+// Up to kAvx2Rows rows share each weight vector: a block's weights are loaded (q4: unpacked) into registers once,
+// then every row's broadcast activation group multiplies them, the rows' sums in registers until the epilogue.
+constexpr int kAvx2Rows = 4;
+
+// An empty asm that claims to change v: the compiler must materialize each running sum in its register where it
+// stands, rather than reassociate a block's integer adds into a tree of 64 products spilled to the stack.
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 template <bool Q4, int R>
 void panel_avx2(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0, float* y,
                 int64_t ldy, int64_t cols) {
@@ -129,42 +137,48 @@ void panel_avx2(const uint8_t* wd, const float* ws, const float* wm, const QRows
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  alignas(64) uint8_t unpacked[512];
+  const int32_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K);
   for (int64_t b = 0; b < a.KB; ++b) {
     const uint8_t* blk = wd + b * B;
-    if (Q4) {  // the block's nibbles to bytes once, for every row
-      for (int h = 0; h < 4; ++h)
-        for (int half = 0; half < 2; ++half) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * half));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + 64 * h + 32 * half), _mm256_and_si256(v, low));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + 64 * (h + 4) + 32 * half),
-                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    __m256i s[R][2];  // q4: int16 sums (eight groups' u4 x s8 pairs fit: 8 * 2 * 15 * 127 < 32768); q8: int32
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    if (Q4) {
+      for (int h = 0; h < 4; ++h) {  // chunk h: groups h (low nibbles) and h + 4 (high nibbles)
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, low), lo1 = _mm256_and_si256(v1, low);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const __m256i qa = _mm256_set1_epi32(q[r][8 * b + h]), qb = _mm256_set1_epi32(q[r][8 * b + h + 4]);
+          s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(lo0, qa));
+          s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(lo1, qa));
+          s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(hi0, qb));
+          s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(hi1, qb));
+          keep_in_register(s[r][0]), keep_in_register(s[r][1]);
         }
-      blk = unpacked;
+      }
+      for (int r = 0; r < R; ++r) s[r][0] = _mm256_madd_epi16(s[r][0], ones), s[r][1] = _mm256_madd_epi16(s[r][1], ones);
+    } else {  // |w| x sign(a, w): each pair sum at most 2 * 128 * 127, widened to int32 at once
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int r = 0; r < R; ++r) {
+          const __m256i qg = _mm256_set1_epi32(q[r][8 * b + g]);
+          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(qg, w0)), ones));
+          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(qg, w1)), ones));
+          keep_in_register(s[r][0]), keep_in_register(s[r][1]);
+        }
+      }
     }
     for (int half = 0; half < 2; ++half) {
       const __m256 dw = _mm256_loadu_ps(ws + b * 16 + 8 * half);
       const __m256 mw = Q4 ? _mm256_loadu_ps(wm + b * 16 + 8 * half) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int64_t j = (r0 + r) * a.KB + b;
-        const int32_t* q4 = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K + b * kBlock);
-        __m256i isum;
-        if (Q4) {  // eight groups' u4 x s8 pair sums fit int16 together: 8 * 2 * 15 * 127 < 32768
-          __m256i s16 = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(q4[g])));
-          }
-          isum = _mm256_madd_epi16(s16, ones);
-        } else {
-          isum = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(q4[g]), w));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
-          }
-        }
-        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[j])), acc[r][half]);
+        __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][half]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[j])), acc[r][half]);
         if (Q4) o = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[j]), o);
         acc[r][half] = o;
       }
@@ -333,18 +347,23 @@ struct Avx2 {
 };
 #endif
 
-// The tile functions the CPU runs, by rows (1..kMaxRows); empty on the portable path.
+// The tile functions the CPU runs, by rows (1..rows), and how many rows a tile takes; none on the portable path.
+struct Tiles {
+  const PanelFn* fn;
+  int rows;
+};
+
 template <bool Q4>
-const PanelFn* tiles() {
+Tiles tiles() {
 #if defined(SPECHEAD_VNNI_TARGET)
   static constexpr auto vnni = make_table<Vnni, Q4>(std::make_index_sequence<kMaxRows>{});
-  if (cpu_has_vnni()) return vnni.data();
+  if (cpu_has_vnni()) return {vnni.data(), kMaxRows};
 #endif
 #if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
-  static constexpr auto avx2 = make_table<Avx2, Q4>(std::make_index_sequence<kMaxRows>{});
-  return avx2.data();
+  static constexpr auto avx2 = make_table<Avx2, Q4>(std::make_index_sequence<kAvx2Rows>{});
+  return {avx2.data(), kAvx2Rows};
 #else
-  return nullptr;
+  return {nullptr, kMaxRows};
 #endif
 }
 
@@ -352,17 +371,17 @@ template <bool Q4>
 void run_panels(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, float* y, int64_t N, int64_t p0,
                 int64_t p1) {
   constexpr int64_t B = Q4 ? 256 : 512;
-  const PanelFn* table = tiles<Q4>();
+  const Tiles table = tiles<Q4>();
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* pd = wd + p * a.KB * B;
     const float* ps = ws + p * a.KB * 16;
     const float* pm = Q4 ? wm + p * a.KB * 16 : nullptr;
     const int64_t cols = std::min<int64_t>(16, N - p * 16);
     float* py = y + p * 16;
-    for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, a.M - r0);
-      if (table != nullptr)
-        table[rows - 1](pd, ps, pm, a, r0, py, N, cols);
+    for (int64_t r0 = 0; r0 < a.M; r0 += table.rows) {
+      const int64_t rows = std::min<int64_t>(table.rows, a.M - r0);
+      if (table.fn != nullptr)
+        table.fn[rows - 1](pd, ps, pm, a, r0, py, N, cols);
       else
         panel_portable<Q4>(pd, ps, pm, a, r0, rows, py, N, cols);
     }
