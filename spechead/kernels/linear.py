@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from spechead import kernels
 from spechead.kernels import LANES
-from spechead.kernels.qlinear import QuantWeight
+from spechead.kernels.qlinear import QuantWeight, swap_linears
 from spechead.kernels.quant import QuantBlocks
 
 
@@ -188,12 +188,7 @@ def prepack_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> bool:
     ``skip``) whose weight a kernel build takes; the parameters are shared, so the state dict keeps its names and
     autograd still sees the plain product. Returns whether the model has any projection on the kernel (False on
     other devices and where no build runs). Idempotent."""
-    for name, child in list(model.named_modules()):
-        if any(name == s or name.startswith(s + ".") for s in skip):
-            continue
-        if isinstance(child, nn.Linear) and kernels.supports(child.weight):
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, Projection(child))
+    swap_linears(model, lambda lin: Projection(lin) if kernels.supports(lin.weight) else None, skip)
     return any(isinstance(m, Projection) for m in model.modules())
 
 
