@@ -165,11 +165,18 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", weight.scale)
         self.register_buffer("min", weight.min)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._layout = weight
         self._weight: Tensor | None = None
 
     @property
     def layout(self) -> QuantWeight:
-        return QuantWeight(self.data, self.scale, self.min, self.out_features)
+        """The buffers as a ``QuantWeight``, built again where they were replaced since (``load_state_dict`` with
+        ``assign``, ``to``)."""
+        w = self._layout
+        if w.data is not self.data or w.scale is not self.scale or w.min is not self.min:
+            w = self._layout = QuantWeight(self.data, self.scale, self.min, self.out_features)
+            self._weight = None
+        return w
 
     @property
     def format(self) -> str:
@@ -179,8 +186,9 @@ class QuantLinear(nn.Module):
     def weight(self) -> Tensor:
         """The fp32 matrix the blocks stand for, made at the first read and kept (a float draft head over a
         quantized LM head reads it; the projections never do)."""
+        layout = self.layout
         if self._weight is None:
-            self._weight = self.layout.blocks().dequantize()
+            self._weight = layout.blocks().dequantize()
         return self._weight
 
     def on_kernel(self, x: Tensor, prefill: bool = False) -> bool:
