@@ -26,10 +26,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spechead.cache import cache_dir
-from spechead.errors import SpecheadError
+from spechead.errors import SpecheadError, say_once
 from spechead.kernels.quant import quantize
 from spechead.model.config import ModelConfig
-from spechead.model.quantized import LAYOUT_FILE, PRECISIONS, build, pack_state, read_layout, write_layout
+from spechead.model.quantized import (
+    LAYOUT_FILE,
+    PRECISIONS,
+    build,
+    pack_state,
+    read_layout,
+    requantized_note,
+    write_layout,
+)
 from spechead.model.transformer import Transformer
 
 DEMO_NAME = "smollm2-135m-instruct"
@@ -265,14 +273,6 @@ def convert_quantized(name: str, precision: str, out: Path) -> Path:
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if requantized:
-        worst = max(requantized.items(), key=lambda kv: kv[1][1])
-        types = sorted({t for t, _ in requantized.values()})
-        print(
-            f"[spechead] {len(requantized)} tensors ({', '.join(types)}) have no exact integer form here: "
-            f"requantized to q8, largest weight error {worst[1][1]:.3g} ({worst[0]})",
-            flush=True,
-        )
     try:
         tmp.rename(out)
     except OSError:  # another process converted it first
@@ -316,7 +316,9 @@ def load_quantized(name: str, precision: str) -> tuple[Transformer, Path]:
         folder.parent.mkdir(parents=True, exist_ok=True)
         convert_quantized(name, precision, folder)
     cfg = read_config(folder)
-    layout, _ = read_layout(folder)
+    layout, requantized = read_layout(folder)
+    if requantized:  # at conversion and at a cached load alike, once a process
+        say_once(requantized_note(requantized))
     state = read_safetensors(folder)
     try:
         return build(cfg, state, layout), folder

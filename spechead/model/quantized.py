@@ -135,6 +135,16 @@ def write_layout(folder: Path, layout: dict[str, str], requantized: dict[str, tu
     (folder / LAYOUT_FILE).write_text(json.dumps({"formats": layout, "requantized": requantized}, indent=1))
 
 
-def read_layout(folder: Path) -> tuple[dict[str, str], dict[str, list]]:
+def read_layout(folder: Path) -> tuple[dict[str, str], dict[str, tuple[str, float]]]:
     data = json.loads((folder / LAYOUT_FILE).read_text())
-    return data["formats"], data["requantized"]
+    return data["formats"], {name: (t, err) for name, (t, err) in data["requantized"].items()}
+
+
+def requantized_note(requantized: dict[str, tuple[str, float]]) -> str:
+    """The one-line notice of the tensors a conversion requantized (name -> (GGUF type, largest weight error))."""
+    worst = max(requantized.items(), key=lambda kv: kv[1][1])
+    types = sorted({t for t, _ in requantized.values()})
+    return (
+        f"[spechead] {len(requantized)} tensors ({', '.join(types)}) have no exact integer form here: "
+        f"requantized to q8, largest weight error {worst[1][1]:.3g} ({worst[0]})"
+    )
