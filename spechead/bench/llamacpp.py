@@ -2,13 +2,14 @@
 
 ``llamacpp`` decodes the same GGUF file the spechead target was converted from, fed the same prompt ids the engine
 encodes, greedy, with the same thread count, token budget and stop tokens; ``llamacpp-lookup[:N]`` is its
-prompt-lookup speculative decoding (``LlamaPromptLookupDecoding`` as the draft model, N tokens a round). llama.cpp
-computes on the quantized weights and spechead on an fp32 copy of them, so their outputs may differ: the benchmark
-reports how often they agree and never counts llama.cpp's outputs among spechead's mismatches.
+prompt-lookup speculative decoding (``LlamaPromptLookupDecoding`` as the draft model, N tokens a round). Both compute
+on the file's quantized blocks, each with its own activation rounding and kernels (spechead at ``gguf``; at ``fp32``
+on a float copy), so their outputs may differ: the benchmark reports how often they agree and never counts
+llama.cpp's outputs among spechead's mismatches.
 
-On CPUs with AMX, llama.cpp's weight-repacking buffer types (AMX and the CPU repack) may crash the process, so the
-model loads without them (``use_extra_bufts=False``) where the installed version has that option; the setting is
-recorded with the results.
+On CPUs with AMX, llama.cpp's weight-repacking buffer types (AMX and the CPU repack) may crash the process, so there
+the model loads without them (``use_extra_bufts=False``) where the installed version has that option; elsewhere it
+runs with llama.cpp's defaults, repacking included. The setting is recorded with the results.
 """
 
 from __future__ import annotations
@@ -80,12 +81,19 @@ def _without_extra_bufts(lib: Any) -> Iterator[None]:
         lib.llama_model_default_params = original
 
 
+def _cpu_has_amx() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "amx_tile" in cpuinfo.read_text()
+
+
 def load_llama(model_path: str, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """``Llama(model_path, **kwargs)`` without the extra buffer types where this version can turn them off; returns
-    (model, {"use_extra_bufts": False or None for llama.cpp's default, "set_by": how}) for the results."""
+    """``Llama(model_path, **kwargs)``, on an AMX CPU without the extra buffer types where this version can turn them
+    off; returns (model, {"use_extra_bufts": False or None for llama.cpp's default, "set_by": how}) for the results."""
     import llama_cpp
     import llama_cpp.llama_cpp as lib
 
+    if not _cpu_has_amx():
+        return llama_cpp.Llama(model_path, **kwargs), {"use_extra_bufts": None, "set_by": "default (no AMX)"}
     if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
         llm = llama_cpp.Llama(model_path, use_extra_bufts=False, **kwargs)
         return llm, {"use_extra_bufts": False, "set_by": "Llama(use_extra_bufts=False)"}
