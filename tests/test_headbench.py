@@ -1,11 +1,20 @@
 """``spechead bench-heads``: the report's structure and arithmetic (never its timings)."""
 
 import json
+import math
 
 import pytest
 import torch
 
-from spechead.bench.head_costs import BenchSettings, bench_cases, bench_key, call_bytes, call_flops
+from spechead import kernels
+from spechead.bench.head_costs import (
+    INT_MACS_PER_CYCLE,
+    BenchSettings,
+    bench_cases,
+    bench_key,
+    call_bytes,
+    call_flops,
+)
 from spechead.bench.heads import SHAPES
 from spechead.cli.commands import main
 from spechead.heads import HEADS, make_head
@@ -41,6 +50,30 @@ def test_bench_heads_report(tmp_path):
             assert heads[name]["gathered_per_round"] == 5
             assert heads[name]["active_size"] == 3072
             assert set(heads[name]["batches"]["3"]["round_ms"]) == {"observe", "first_call", "other_calls"}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the integer peak is a kernel path's")
+def test_bench_heads_integer_floors(tmp_path):
+    """--dtype q8: the kernel path in the JSON, and per row a bytes floor at the copy bandwidth, a compute floor at
+    the path's peak, and finite positive ratios to both."""
+    out = tmp_path / "q8.json"
+    args = ["--shape", "demo", "--batch", "1", "--dtype", "q8", "--repeats", "1", "--hot", "--json", str(out)]
+    small_rounds = ["--calls-per-round", "2", "--nodes", "6", "--new-per-round", "5", "--threads", "1"]
+    assert main(["bench-heads", *args, *small_rounds]) == 0
+    res = json.loads(out.read_text())["shapes"]["demo"]
+    ik = res["int_kernel"]
+    assert ik["path"] == kernels.ops().qlinear_path() and ik["threads"] == 1 and ik["clock_MHz"] > 0
+    assert ik["macs_per_cycle_per_core"] == INT_MACS_PER_CYCLE[ik["path"]]["q8"]
+    d, V = SHAPES["demo"]
+    assert res["heads"]["full"]["batches"]["1"]["bytes"] == V * (d // 32) * (32 + 4) + V * 4  # blocks, scales, logits
+    assert "lowrank" in res["skipped"]  # the demo's rank 72 is no multiple of the blocks' 32
+    for name, h in res["heads"].items():
+        r = h["batches"]["1"]
+        assert r["path"] in INT_MACS_PER_CYCLE and r["macs"] * 2 == r["flops"]
+        assert r["floor_ms"] == pytest.approx(r["bytes"] / res["copy_GBps"] / 1e6, rel=0.01, abs=2e-3)
+        assert r["compute_floor_ms"] == pytest.approx(r["macs"] / r["peak_GMACs"] / 1e6, rel=0.01, abs=1e-4)
+        for key in ("x_floor", "x_compute"):
+            assert math.isfinite(r[key]) and r[key] > 0, (name, key, r[key])
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,8 @@ How it measures, and why:
   after one warm-up round each.
 - On a CUDA device (``--device cuda``) the weights, the flush buffer (twice the L2 cache) and the copy meter live
   on the device, and every timed span ends with ``torch.cuda.synchronize``.
+- ``q8`` / ``q4``: every head's matrix is 32-value integer blocks (``QuantWeight``) on spechead's integer kernel;
+  the compute floor is then the kernel path's multiply-add peak (``head_costs.IntPeak``), not a measured rate.
 
 Which cases each head gets and the bytes and FLOPs its calls move: ``bench.head_costs``.
 """
@@ -32,11 +34,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spechead import kernels
-from spechead.bench.head_costs import BenchCase, BenchSettings, bench_cases, call_bytes, call_flops
+from spechead.bench.head_costs import BenchCase, BenchSettings, IntPeak, bench_cases, call_bytes, call_flops
 from spechead.errors import SpecheadError
 from spechead.heads import HEADS
 from spechead.heads.base import DraftHead
 from spechead.kernels.linear import BlockedWeight, PackedLinear
+from spechead.kernels.qlinear import QuantWeight
+from spechead.kernels.quant import FORMATS, quantize
 from spechead.tuning.measure import CopyMeter, llc_bytes
 
 SHAPES = {  # (d, V) of the paper's targets, the demo and Gemma 3 270M (the real target whose head dominates)
@@ -47,7 +51,19 @@ SHAPES = {  # (d, V) of the paper's targets, the demo and Gemma 3 270M (the real
     "gemma3-270m": (640, 262144),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = (*DTYPES, *FORMATS)  # the float dtypes, then the integer kernel's block formats
 CPU = torch.device("cpu")
+
+
+def act_dtype(name: str) -> torch.dtype:
+    """The dtype of the heads' inputs and the target's logits: the float dtype, fp32 with integer blocks."""
+    return DTYPES.get(name, torch.float32)
+
+
+def head_matrix(V: int, d: int, name: str, gen: torch.Generator, device: torch.device = CPU) -> Tensor | QuantWeight:
+    """A random [V, d] head matrix (std 0.02) in ``name``: a float tensor, or integer blocks (``QuantWeight``)."""
+    W = torch.randn(V, d, generator=gen, device=device) * 0.02
+    return W.to(DTYPES[name]) if name in DTYPES else QuantWeight.pack(quantize(W, name))
 
 
 def synchronize(device: torch.device) -> None:
@@ -109,16 +125,18 @@ def copy_meter(device: torch.device) -> CopyMeter:
 
 
 class GemmRate:
-    """The GEMM throughput this machine reaches at a given batch, weights in cache (GFLOP/s).
+    """The GEMM throughput this machine reaches at a given batch, weights in cache (GFLOP/s), in dtype ``name``
+    (integer blocks: the integer kernel's).
 
     With few rows a GEMM does 2*B flops per weight element: at B=10 in bf16 that is 10 flops per byte,
     more than a CPU core's vector units deliver per byte of DRAM bandwidth, so the bytes floor is not
-    reachable. This rate gives the compute floor; the roofline floor is the larger of the two.
+    reachable. This rate gives a float head's compute floor; the roofline floor is the larger of the two.
     """
 
-    def __init__(self, d: int, dtype: torch.dtype, rows: int = 512, device: torch.device = CPU) -> None:
-        self.lin = PackedLinear((torch.randn(rows, d) * 0.02).to(device=device, dtype=dtype))
-        self.rows, self.d, self.dtype, self.device = rows, d, dtype, device
+    def __init__(self, d: int, name: str, rows: int = 512, device: torch.device = CPU) -> None:
+        w = head_matrix(rows, d, name, torch.Generator().manual_seed(0))
+        self.lin = PackedLinear(w.to(device) if isinstance(w, Tensor) else w)
+        self.rows, self.d, self.dtype, self.device = rows, d, act_dtype(name), device
         self.samples: dict[int, list[float]] = {}
 
     def sample(self, B: int, calls: int = 10) -> float:
@@ -264,7 +282,7 @@ def bench_shape(
     d, V = dims or SHAPES[shape]
     gen = torch.Generator().manual_seed(args.seed)
     wgen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
-    W = (torch.randn(V, d, generator=wgen, device=device) * 0.02).to(DTYPES[dtype_name])
+    W = head_matrix(V, d, dtype_name, wgen, device)
     settings = settings_of(args)
     cases, skipped = build_cases(W, V, settings, gen)
     for c in cases:
@@ -274,7 +292,8 @@ def bench_shape(
             c.head.begin(c.feeder.prompt, None)
             if hasattr(c.head, "state"):
                 c.feeder.settle(c.head.state()[0].cpu())
-    rate = GemmRate(d, DTYPES[dtype_name], device=device)
+    rate = GemmRate(d, dtype_name, device=device)
+    peak = IntPeak.of(dtype_name) if dtype_name in FORMATS else None
     evicted0 = {c.name: c.head.stats().get("evicted", 0.0) for c in cases if c.head.per_round}
     skipped_batches = _time_batches(cases, batches, d, args, flush, meter, rate, gen, device, deadline)
     batches = [B for B in batches if B not in skipped_batches]
@@ -285,6 +304,8 @@ def bench_shape(
         "dtype": dtype_name,
         "copy_GBps": round(gbps, 2),
         "gemm_GFLOPs_in_cache": {str(B): round(rate.median(B), 1) for B in batches},
+        "compute_floor": "in-cache GEMM rate" if peak is None else "integer peak",
+        **({"int_kernel": peak.report()} if peak is not None else {}),
         "heads": {},
         "skipped": skipped,
     }
@@ -292,7 +313,7 @@ def bench_shape(
         out["skipped_batches"] = skipped_batches
     full_ms = {B: statistics.median(cases[0].timings[B]) for B in batches}
     for c in cases:
-        rows = {str(B): _row(c, B, settings, gbps, rate, full_ms[B], cases[0]) for B in batches}
+        rows = {str(B): _row(c, B, settings, gbps, rate, peak, full_ms[B], cases[0]) for B in batches}
         out["heads"][c.name] = {"spec": c.case.spec, "note": c.case.note, "batches": rows}
         stats = c.head.stats()
         for key in ("active_size", "rank"):
@@ -327,14 +348,16 @@ def _time_batches(cases, batches, d, args, flush, meter, rate, gen, device, dead
     return skipped
 
 
-def _row(c, B: int, settings, gbps: float, rate, full_ms: float, full) -> dict:
-    """One head's figures at ``B`` rows: its time, bytes and floors, and its ratios to the full head's."""
+def _row(c, B: int, settings, gbps: float, rate, peak: IntPeak | None, full_ms: float, full) -> dict:
+    """One head's figures at ``B`` rows: its time, bytes and compute floors, and its ratios to them and to the full
+    head's. The compute floor: the integer kernel's multiply-adds at its peak (``peak``), else the FLOPs at the
+    in-cache GEMM rate."""
     ms = statistics.median(c.timings[B])
     nbytes = call_bytes(c.head, B, settings)
     floor = nbytes / gbps / 1e6
     flops = call_flops(c.head, B, settings)
-    compute = flops / rate.median(B) / 1e6
-    row = {}
+    compute = flops / rate.median(B) / 1e6 if peak is None else flops / 2 / peak.gmacs(B) / 1e6
+    row = {} if peak is None else {"path": peak.path_at(B), "macs": flops // 2, "peak_GMACs": round(peak.gmacs(B), 1)}
     if c.rounds.get(B):
         obs, first, rest = (statistics.median(x) for x in zip(*c.rounds[B], strict=True))
         row["round_ms"] = {"observe": round(obs, 3), "first_call": round(first, 3), "other_calls": round(rest, 3)}
@@ -345,7 +368,8 @@ def _row(c, B: int, settings, gbps: float, rate, full_ms: float, full) -> dict:
         "floor_ms": round(floor, 3),
         "x_floor": round(ms / floor, 2),
         "flops": flops,
-        "compute_floor_ms": round(compute, 3),
+        "compute_floor_ms": round(compute, 4),
+        "x_compute": round(ms / compute, 2),
         "x_roofline": round(ms / max(floor, compute), 2),
         "achieved_GBps": round(nbytes / ms / 1e6, 2),
         "speedup_vs_full": round(full_ms / ms, 2),

@@ -11,7 +11,16 @@ from pathlib import Path
 import torch
 
 from spechead import kernels
-from spechead.bench.heads import DTYPES, SHAPES, Flusher, bench_shape, copy_meter, cpu_bars, gemm_variants
+from spechead.bench.heads import (
+    DTYPE_NAMES,
+    DTYPES,
+    SHAPES,
+    Flusher,
+    bench_shape,
+    copy_meter,
+    cpu_bars,
+    gemm_variants,
+)
 from spechead.cli.args import add_threads, positive_int
 from spechead.errors import SpecheadError
 from spechead.model.lowrank import default_rank
@@ -31,16 +40,27 @@ def _ints(spec: str, what: str) -> list[int]:
 def print_table(res: dict) -> None:
     print(f"\n{res['shape']}: d={res['d']} V={res['V']} {res['dtype']}, copy {res['copy_GBps']} GB/s during the run")
     print("in-cache GEMM GFLOP/s by batch: " + ", ".join(f"{b}: {v}" for b, v in res["gemm_GFLOPs_in_cache"].items()))
+    ik = res.get("int_kernel")
+    if ik:
+        below = {k: v for k, v in ik.items() if k.startswith("path_below")}
+        print(
+            f"integer kernel path {ik['path']}"
+            + "".join(f" ({v} {k.removeprefix('path_').replace('_', ' ')})" for k, v in below.items())
+            + f": compute floor at {ik['macs_per_cycle_per_core']} int8 MACs/cycle/core x {ik['clock_MHz']} MHz"
+            f" ({ik['clock_source']}) x {ik['threads']} threads = {ik['peak_GMACs']} GMAC/s"
+        )
+    print(f"compute floor: {res['compute_floor']}; bytes floor: bytes moved at the copy bandwidth")
     print(
-        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'x floor':>9}{'x roof':>8}{'GB/s':>8}{'vs full':>9}"
-        f"{'bytes x':>9}"
+        f"{'head':<18}{'batch':>6}{'ms':>10}{'floor ms':>10}{'comp ms':>9}{'x floor':>9}{'x comp':>8}{'x roof':>8}"
+        f"{'GB/s':>8}{'vs full':>9}{'bytes x':>9}" + (f"{'path':>13}" if ik else "")
     )
     for name, hres in res["heads"].items():
         for B, r in hres["batches"].items():
             print(
-                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}{r['x_roofline']:>8.2f}"
-                f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}"
-                f"{r['bytes_ratio_vs_full']:>9.2f}"
+                f"{name:<18}{B:>6}{r['ms']:>10.2f}{r['floor_ms']:>10.2f}{r['compute_floor_ms']:>9.3f}"
+                f"{r['x_floor']:>9.2f}{r['x_compute']:>8.2f}{r['x_roofline']:>8.2f}"
+                f"{r['achieved_GBps']:>8.1f}{r['speedup_vs_full']:>9.2f}{r['bytes_ratio_vs_full']:>9.2f}"
+                + (f"{r['path']:>13}" if ik else "")
             )
     for name, why in res["skipped"].items():
         print(f"{name:<18} skipped: {why}")
@@ -69,22 +89,32 @@ def draft_gemm(device: torch.device) -> str:
     return f"fallback: {kernels.unavailable_reason()}"
 
 
-def cmd_bench_heads(args) -> int:
-    device = device_of(args.device)
+def checked_args(args, device: torch.device) -> tuple[list[str], list[int]]:
+    """The shapes and batches asked for, once every option is checked (a bad one raises SpecheadError)."""
     if args.gemm_variants and device.type != "cpu":
         raise SpecheadError("--gemm-variants compares the CPU's GEMM paths: run it with --device cpu")
     shapes = [s for s in args.shape.split(",") if s]
     for s in shapes:
         if s not in SHAPES:
             raise SpecheadError(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
-    if args.dtype not in DTYPES:
-        raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPES)}")
+    if args.dtype not in DTYPE_NAMES:
+        raise SpecheadError(f"unknown dtype {args.dtype!r}; expected one of {', '.join(DTYPE_NAMES)}")
+    if args.dtype not in DTYPES and device.type != "cpu":
+        raise SpecheadError(f"--dtype {args.dtype} runs spechead's integer kernel: run it with --device cpu")
+    if args.dtype not in DTYPES and args.gemm_variants:
+        raise SpecheadError(f"--gemm-variants compares float GEMM calls: not with --dtype {args.dtype}")
     for s in shapes:  # a head skipped for an option the shape cannot take would hide the user's mistake
         if args.rank is not None and args.rank >= SHAPES[s][0]:
             raise SpecheadError(f"--rank must be below the hidden size of {s} ({SHAPES[s][0]}), got {args.rank}")
     batches = _ints(args.batch, "--batch")
     if args.new_per_round > args.nodes:
         raise SpecheadError("--new-per-round cannot exceed --nodes (new ids enter through the nodes' top-k)")
+    return shapes, batches
+
+
+def cmd_bench_heads(args) -> int:
+    device = device_of(args.device)
+    shapes, batches = checked_args(args, device)
     flush = Flusher(args.hot, device)
     meter = copy_meter(device)
     bw = meter.start()
@@ -152,7 +182,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-heads", help="time every draft head at a real model's shape (random weights)")
     p.add_argument("--shape", default="llama3.1-8b", help=f"one or more of {', '.join(SHAPES)}, comma-separated")
     p.add_argument("--batch", default="1,10,64", help="rows per draft call, comma-separated")
-    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    p.add_argument(
+        "--dtype", default="bf16", help="bf16, fp16, fp32, or q8 / q4 (32-value integer blocks on the integer kernel)"
+    )
     p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--k", type=positive_int, default=10, help="top-k per call")
     p.add_argument("--subset", type=positive_int, default=32768, help="size of the fr / vocabtrim subsets")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,34 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def cpu_mhz() -> tuple[float, str] | None:
+    """The core clock a compute peak is taken at, with where it comes from: lscpu's "CPU max MHz" where it reports
+    one, else the first core's "cpu MHz" in /proc/cpuinfo (None where neither says)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "CPU max MHz" and _positive(value):
+            return float(value), "lscpu CPU max MHz"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "cpu MHz" and _positive(value):
+                return float(value), "/proc/cpuinfo cpu MHz of the first core"
+    except OSError:
+        pass
+    return None
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def machine_facts(threads: int) -> dict[str, object]:
