@@ -62,7 +62,9 @@ class ScaledEmbedding(nn.Embedding):
     the LM head tied to it uses the unscaled table."""
 
     def __init__(self, num: int, dim: int, scale: float = 1.0) -> None:
-        super().__init__(num, dim)
+        # an empty table, not a random one: every model loads its own, and nn.Embedding's normal_ init on the meta
+        # device imports torch._dynamo (2.2 s of a process's start)
+        super().__init__(num, dim, _weight=torch.empty(num, dim))
         self.scale = scale
 
     def forward(self, ids: Tensor) -> Tensor:
