@@ -24,6 +24,16 @@ def _folder(spec: str | Path) -> Path | None:
     raise SpecheadError(f"tokenizer not found: {spec} (expected demo, gemma3-270m, a folder or a tokenizer.json)")
 
 
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_tokenizer(spec: str | Path):
     """The one tokenizer loader: ``demo``, a tokenizer / model folder (AutoTokenizer: its chat template and
     special tokens) or a bare ``tokenizer.json`` file (a fast tokenizer over it; ``.backend_tokenizer`` is
@@ -36,10 +46,13 @@ def load_tokenizer(spec: str | Path):
             return PreTrainedTokenizerFast(tokenizer_file=str(spec))
         except Exception as e:  # the Rust library raises a plain Exception on a bad file
             raise SpecheadError(f"cannot load tokenizer file {spec}: {e}") from e
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # a folder whose class is the generic fast tokenizer (spechead's GGUF conversions) loads as that class
+    # directly: AutoTokenizer would first resolve the model's config class, importing ~1 s of transformers
+    generic = _tokenizer_class(folder) in GENERIC_CLASSES and (folder / "tokenizer.json").is_file()
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(folder)
     except Exception as e:
         raise SpecheadError(f"cannot load tokenizer from {folder}: {e}") from e
 
