@@ -102,12 +102,13 @@ class QuantWeight:
         """The blocks of rows ``index`` (all rows by default), row-major again."""
         idx = torch.arange(self.rows) if index is None else index.reshape(-1).long().cpu()
         p, c = idx // PANEL, idx % PANEL
-        kb = self.data.shape[1]
+        np_, kb = self.data.shape[:2]
+        # each row's own bytes, [n, kb, groups, 4]: one gather (indexing whole panels first read 16 rows' bytes)
         if self.format == "q4":
-            d = self.data[p].view(len(idx), kb, 4, PANEL, 4)[torch.arange(len(idx)), :, :, c]  # [n, kb, 4, 4]
+            d = self.data.view(np_, kb, 4, PANEL, 4)[p, :, :, c]
             q = torch.cat([d & 15, d >> 4], dim=2).to(torch.int8)  # groups 0..3, then 4..7
         else:
-            q = self.data[p].view(len(idx), kb, 8, PANEL, 4)[torch.arange(len(idx)), :, :, c].view(torch.int8)
+            q = self.data.view(np_, kb, 8, PANEL, 4)[p, :, :, c].view(torch.int8)
         scale = self.scale[p, :, c]
         m = self.min[p, :, c] if self.format == "q4" else None
         return QuantBlocks(q.reshape(len(idx), -1).contiguous(), scale, m, self.format)
