@@ -73,11 +73,14 @@ class Drafter(nn.Module):
     def prepack(self, precision: str = "fp32") -> bool:
         """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``):
         a drafter pass runs every round at a few rows, where sgemm costs about twice the kernel's time. Beside a
-        target on the integer engine (``precision`` gguf, q8 or q4) they are quantized to q8 instead (the
-        drafter's precision changes what it proposes, never the output), and the drafter no longer trains. At
-        fp32 the parameters and the state dict stay as they are, so a laid-out drafter still trains and saves;
-        its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
+        target on the integer engine (``precision`` gguf, q8 or q4) they are fused (q/k/v, gate/up) and quantized
+        to q8 instead (the drafter's precision changes what it proposes, never the output), and the drafter no
+        longer trains. At fp32 the parameters and the state dict stay as they are, so a laid-out drafter still
+        trains and saves; its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
         if precision in ("gguf", "q8", "q4"):
+            if hasattr(self.layer.self_attn, "q_proj"):  # one q/k/v and one gate/up product, as the target's
+                self.layer.self_attn.fuse()
+                self.layer.mlp.fuse()
             quantize_linears(self, "q8", skip=("lm_head",))
             return True
         return prepack_linears(self, skip=("lm_head",))
