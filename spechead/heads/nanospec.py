@@ -130,6 +130,7 @@ class NanoSpecHead(DraftHead):
         self.n = 0
         self.n_pin = self._pin(pinned) if pinned is not None else 0
         self._pending: concurrent.futures.Future | Callable[[], None] | None = None
+        self._ext_queue: list[Callable[[], Tensor]] | None = None  # sync gather: the Ext candidates not yet added
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" and gather == "async" else None
         self._event: torch.cuda.Event | None = None
@@ -196,22 +197,36 @@ class NanoSpecHead(DraftHead):
         self._launch(ctx)
 
     def observe(self, tree_tokens: Tensor, node_logits: Tensor, committed: list[int]) -> None:
-        """Record coverage against the set this round was drafted with, then queue the Ext update."""
-        self._wait()
+        """Record coverage against the set as it stands, then queue the Ext update. With ``gather=sync`` and the
+        ``stop`` policy the updates of rounds with no draft between them (the guard's AR stretches) merge into one
+        at the next draft call: one set update, not one per decode step (under LRU each round keeps its own, so
+        a round's hits stay its own)."""
+        if self._ext_queue is None:
+            self._wait()
         dev = self.device
         com = torch.tensor(committed, dtype=torch.long, device=dev)
         hits = self.in_set[com].sum()
         self._rounds.append((self.n, len(committed), hits))
         self.round += 1
 
-        def ext() -> None:
+        def ext() -> Tensor:
             parts = [com]
             if self.ext_from == "logits":  # the target's argmax at every node first, then its top-2..k
                 parts.append(fast_topk(node_logits, min(self.ext_topk, node_logits.shape[-1]))[1].T.flatten())
             parts.append(tree_tokens.to(dev))
-            self._append(torch.cat(parts))
+            return torch.cat(parts)
 
-        self._launch(ext)
+        if self.gather != "sync" or self.policy == "lru":
+            self._launch(lambda: self._append(ext()))
+            return
+        if self._ext_queue is None:
+            self._ext_queue = []
+            self._launch(self._merged_ext)
+        self._ext_queue.append(ext)
+
+    def _merged_ext(self) -> None:
+        queue, self._ext_queue = self._ext_queue or [], None
+        self._append(torch.cat([ext() for ext in queue]))
 
     def extend(self, ids: Tensor) -> None:
         """Queue ids that entered the context, for an engine that shows the head token ids only (vLLM's drafter
