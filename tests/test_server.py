@@ -299,6 +299,9 @@ def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session, bat
 
     drafter, tree = resolve_drafter("demo", demo_session.target), TreeConfig(2, 1, 4, lookup=8)
     w = DecodeWorker(demo_session, drafter, tree=tree, max_batch=2 if batched else 1)
+    # every round speculative: the guard's choice of AR or lean rounds depends on this CPU's costs
+    w.decoder.guard_cfg = None
+    w.decoder.guards.clear()
     loop = asyncio.new_event_loop()
     ids = demo_session.encode("Repeat this line four times: red green blue yellow red green blue yellow")
 
@@ -317,7 +320,7 @@ def test_a_reply_ended_by_a_stop_string_reports_its_rounds_tau(demo_session, bat
         stop = full[len(full) // 2 : len(full) // 2 + 6]
         text, cut = run([stop])
         assert text == full[: full.find(stop)] and cut.finish_reason == "stop"
-        assert cut.tau > 1.2
+        assert cut.tau > 1.0  # its own rounds' mean accept length, not the 1.0 of a reply that ran none
     finally:
         w.close()
         loop.close()
