@@ -30,6 +30,7 @@ from spechead.bench.runs import Run
 from spechead.decoding.sampling import SamplingConfig
 from spechead.errors import SpecheadError
 from spechead.model.loading import target_gguf
+from spechead.tuning.measure import cpuinfo_field
 
 INSTALL = "pip install llama-cpp-python"  # or `pip install 'spechead[llamacpp]'`; CMAKE_ARGS="-DGGML_NATIVE=ON" tunes
 
@@ -81,18 +82,13 @@ def _without_extra_bufts(lib: Any) -> Iterator[None]:
         lib.llama_model_default_params = original
 
 
-def _cpu_has_amx() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and "amx_tile" in cpuinfo.read_text()
-
-
 def load_llama(model_path: str, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """``Llama(model_path, **kwargs)``, on an AMX CPU without the extra buffer types where this version can turn them
     off; returns (model, {"use_extra_bufts": False or None for llama.cpp's default, "set_by": how}) for the results."""
     import llama_cpp
     import llama_cpp.llama_cpp as lib
 
-    if not _cpu_has_amx():
+    if "amx_tile" not in (cpuinfo_field("flags") or "").split():
         return llama_cpp.Llama(model_path, **kwargs), {"use_extra_bufts": None, "set_by": "default (no AMX)"}
     if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
         llm = llama_cpp.Llama(model_path, use_extra_bufts=False, **kwargs)

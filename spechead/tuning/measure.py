@@ -22,14 +22,20 @@ def llc_bytes() -> int:
         return 64 * 2**20
 
 
-def cpu_name() -> str:
+def cpuinfo_field(key: str) -> str | None:
+    """The first core's ``key`` in /proc/cpuinfo ("model name", "cpu MHz", "flags"), or None where it is absent."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            if name.strip() == key:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_name() -> str:
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def cpu_mhz() -> tuple[float, str] | None:
@@ -43,13 +49,9 @@ def cpu_mhz() -> tuple[float, str] | None:
         key, _, value = line.partition(":")
         if key.strip() == "CPU max MHz" and _positive(value):
             return float(value), "lscpu CPU max MHz"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "cpu MHz" and _positive(value):
-                return float(value), "/proc/cpuinfo cpu MHz of the first core"
-    except OSError:
-        pass
+    mhz = cpuinfo_field("cpu MHz")
+    if mhz is not None and _positive(mhz):
+        return float(mhz), "/proc/cpuinfo cpu MHz of the first core"
     return None
 
 
