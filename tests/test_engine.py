@@ -117,7 +117,7 @@ def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tin
     with torch.inference_mode():
         for fused in (True, False):
             target(ids[:start], 0, logits_rows=None)
-            target._fused = None if fused else []  # [] keeps the modules
+            target._fused = None if fused else ()  # () keeps the modules
             assert (
                 target._fused_layers(target.model.embed_tokens(ids[:1]), [Segment(0, 1, 0)], *target.rotary(depth[:1]))
                 is not None

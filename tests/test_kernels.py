@@ -329,8 +329,9 @@ def test_silu_mul_is_silu_gate_times_up(isa):
 
 @ISAS
 def test_a_layer_over_several_requests_is_each_request_alone(isa):
-    """llama_layer runs every request's attention in one parallel loop (a batch of decode steps and a tree):
-    each request's rows and cache lane come out bitwise as when the layer runs that request alone."""
+    """llama_layers runs every request's attention in one parallel loop (a batch of decode steps and a tree):
+    each request's rows and cache lane come out bitwise as when the layer runs that request alone. A stack of two
+    layers is the one-layer op twice, and ``keep`` returns the second layer's input."""
     lib = kernels.library(isa)
     g = torch.Generator().manual_seed(5)
     d, heads, kv, hd, inter = 128, 4, 2, 32, 96
@@ -351,15 +352,18 @@ def test_a_layer_over_several_requests_is_each_request_alone(isa):
     cos, sin = Rotary(hd, 512, 10000.0)(pos)
     row0 = [0, 1, 5]
 
-    def layer(idx: list[int], kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def layers(idx: list[int], x: torch.Tensor, *caches: torch.Tensor, keep=()) -> list[torch.Tensor]:
         rows = torch.cat([torch.arange(row0[i], row0[i] + parts[i][2]) for i in idx])
         r0 = [sum(parts[j][2] for j in idx[:n]) for n in range(len(idx))]
-        return lib.llama_layer(
-            x[rows], ln1, ln2, 1e-5, *[[w] for w in ws], widths, cos[rows].contiguous(), sin[rows].contiguous(),
-            kc, vc, r0,
+        stack = [t for k in range(0, len(caches), 2) for t in (ln1, ln2, caches[k], caches[k + 1], *ws)]
+        return lib.llama_layers(
+            x[rows], stack, 1, 1e-5, widths, cos[rows].contiguous(), sin[rows].contiguous(), r0,
             [parts[i][2] for i in idx], [parts[i][0] for i in idx], [parts[i][1] for i in idx],
-            [parts[i][3] for i in idx], [0] * len(idx), hd**-0.5,
+            [parts[i][3] for i in idx], [0] * len(idx), hd**-0.5, list(keep),
         )  # fmt: skip
+
+    def layer(idx: list[int], kc: torch.Tensor, vc: torch.Tensor, rows_in: torch.Tensor = x) -> torch.Tensor:
+        return layers(idx, rows_in, kc, vc)[-1]
 
     kc, vc = caches[0].clone(), caches[1].clone()
     together = layer([0, 1, 2], kc, vc)
@@ -368,3 +372,9 @@ def test_a_layer_over_several_requests_is_each_request_alone(isa):
         alone = layer([i], kc1, vc1)
         assert torch.equal(together[row0[i] : row0[i] + t], alone)
         assert torch.equal(kc[lane], kc1[lane]) and torch.equal(vc[lane], vc1[lane])
+
+    one = [c.clone() for c in caches]
+    first = layer([0, 1, 2], *one)
+    second = layer([0, 1, 2], *[c.clone() for c in caches], rows_in=first)
+    mid, out = layers([0, 1, 2], x, *[c.clone() for c in caches], *[c.clone() for c in caches], keep=[1])
+    assert torch.equal(mid, first) and torch.equal(out, second)

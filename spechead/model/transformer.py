@@ -71,7 +71,7 @@ class Transformer(nn.Module):
         self.local = [cfg.is_local(i) for i in range(n)]
         self.max_len, self.lanes = 0, 0
         self.precision = "fp32"  # what its projections compute in: fp32, bf16 (float weights), gguf, q8, q4
-        self._fused: list[tuple] | None = None  # llama_layer's per-layer arguments, built at the first forward
+        self._fused: tuple | None = None  # llama_layers' weight arguments, built at the first forward
 
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
@@ -127,10 +127,10 @@ class Transformer(nn.Module):
         inside = key_pos[None, :] > positions[:, None] - w
         return kv_from, base[:, kv_from:] & inside
 
-    def _fused_layers(self, x: Tensor, segments: list[Segment], cos: Tensor, sin: Tensor) -> list[tuple] | None:
-        """Per layer, the arguments (after ``x``) of the kernels' ``llama_layer`` where it computes what the
-        modules would: a Llama-style fp32 target laid out for the kernel, rows its projections and attention
-        take the kernel for. One op a layer instead of ~25 Python-level calls; None otherwise."""
+    def _fused_layers(self, x: Tensor, segments: list[Segment], cos: Tensor, sin: Tensor) -> tuple | None:
+        """The arguments (after ``x``, before ``keep``) of the kernels' ``llama_layers`` where it computes what the
+        modules would: a Llama-style target laid out for the kernel, rows its projections and attention take the
+        kernel for. One op for every layer instead of ~25 Python-level calls a layer; None otherwise."""
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if (
             not isinstance(qkv, (Projection, QuantLinear))
@@ -143,6 +143,7 @@ class Transformer(nn.Module):
             self._fused = self._fused_weights()
         if not self._fused:
             return None
+        layers, per_weight, eps, widths, scale = self._fused
         rows = (
             [s.row0 for s in segments],
             [s.t for s in segments],
@@ -151,27 +152,35 @@ class Transformer(nn.Module):
             [bool_mask(s.mask) for s in segments],
             [s.kv_from for s in segments],
         )
-        return [(*w, cos, sin, *cache, *rows, scale) for *w, cache, scale in self._fused]
+        return (layers, per_weight, eps, widths, cos, sin, *rows, scale)
 
-    def _fused_weights(self) -> list[tuple]:
-        """Each layer's norms, eps, blocked projections, their widths, its cache and softmax scale; [] where a
-        layer is not the plain Llama block (Gemma's norms, biases, GELU, windows) or not on the kernel."""
+    def _fused_weights(self) -> tuple:
+        """``llama_layers``' weight arguments: per layer its norms, cache and blocked projections in one list, then
+        the tensors a weight is, eps, the projections' widths and the softmax scale; () where a layer is not the
+        plain Llama block (Gemma's norms, biases, GELU, windows) or not on the kernel."""
         cfg = self.config
         if cfg.sandwich_norms or cfg.qk_norm or cfg.attention_bias or any(self.local) or cfg.hidden_act != "silu":
-            return []
-        args: list[tuple] = []
+            return ()
+        layers: list[Tensor] = []
+        kinds, eps = set(), set()
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
             if not all(isinstance(li, (Projection, QuantLinear)) for li in lin) or a.cache is None:
-                return []
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps)
+                return ()
             if layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset:
-                return []
-            weights = tuple(li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin)
-            widths = [li.out_features for li in lin]
-            args.append((*norms, *weights, widths, (a.cache.k, a.cache.v), a.scale or cfg.head_dim**-0.5))
-        return args
+                return ()
+            weights = [li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin]
+            kinds.add(tuple(len(w) for w in weights))
+            eps.update((layer.input_layernorm.eps, layer.post_attention_layernorm.eps))
+            layers += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.cache.k, a.cache.v]
+            layers += [t for w in weights for t in w]
+        if len(kinds) != 1 or len(set(next(iter(kinds)))) != 1 or len(eps) != 1:
+            return ()  # one op takes one kind of weight and one eps for every layer
+        a = self.model.layers[0].self_attn
+        widths = [li.out_features for li in (a.qkv_proj, a.o_proj, self.model.layers[0].mlp.gate_up_proj)]
+        widths.append(self.model.layers[0].mlp.down_proj.out_features)
+        return layers, next(iter(kinds))[0], eps.pop(), widths, a.scale or cfg.head_dim**-0.5
 
     def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
         for layer in self.model.layers:
@@ -227,15 +236,18 @@ class Transformer(nn.Module):
         aux: dict[int, Tensor] = {}
         prefill = is_prefill(segments)
         fused = self._fused_layers(x, segments, cos, sin) if self.local_rotary is None else None
-        for i, layer in enumerate(self.model.layers):
-            if want_aux and i in self.eagle3_layers:
-                aux[i] = x
-            if fused is not None:
-                x = kernels.ops().llama_layer(x, *fused[i])
-            elif self.local[i]:
-                x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments, prefill=prefill)
-            else:
-                x = layer(x, layer.input_layernorm(x), cos, sin, segments, prefill=prefill)
+        if fused is not None:
+            keep = list(self.eagle3_layers) if want_aux else []
+            *kept, x = kernels.ops().llama_layers(x, *fused, keep)
+            aux = dict(zip(keep, kept, strict=True))
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if want_aux and i in self.eagle3_layers:
+                    aux[i] = x
+                if self.local[i]:
+                    x = layer(x, layer.input_layernorm(x), local_cos, local_sin, local_segments, prefill=prefill)
+                else:
+                    x = layer(x, layer.input_layernorm(x), cos, sin, segments, prefill=prefill)
         h = self.model.norm(x)
         fused = torch.cat([aux[i] for i in self.eagle3_layers], dim=-1) if want_aux else None
         if one:

@@ -1,9 +1,8 @@
-// The Llama decoder layer's row-wise ops and the layer itself as one op: rms_norm, silu_mul (SiLU(gate) * up)
-// and llama_layer, which runs a layer over a few rows of several requests with draft_linear (gemm.cpp) or qlinear
-// (qgemm.cpp) and the
-// attention plans (attention.cpp).
+// The Llama decoder layer's row-wise ops and the layers themselves as one op: rms_norm, silu_mul (SiLU(gate) * up)
+// and llama_layers, which runs every layer over a few rows of several requests with draft_linear (gemm.cpp) or
+// qlinear (qgemm.cpp) and the attention plans (attention.cpp).
 //
-// Row-count property: rms_norm and silu_mul compute each row alone in one fixed order, and llama_layer is made of
+// Row-count property: rms_norm and silu_mul compute each row alone in one fixed order, and a layer is made of
 // ops that do (the GEMM, attention over each row's own visible slots), so a row's result bits do not depend on how
 // many rows or requests share the call.
 #include <ATen/Parallel.h>
@@ -118,13 +117,14 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-// What Block.forward does for fp32 rows when the kernels run, as one op: RMSNorm, the fused q/k/v projection,
+// What Block.forward does for fp32 rows when the kernels run, as one function: RMSNorm, the fused q/k/v projection,
 // attention per request (plan_attend, run_plans), the output projection and residual, RMSNorm, the fused gate/up
 // projection, SiLU(gate) * up, the down projection and residual. The same functions in the same order as the
-// module path, so the two give bitwise the same rows; what this saves is ~25 Python-level calls a layer (~8 ms of
-// a 45 ms step of the demo target on 2 cores). Weights are blocked-layout tensors with their output widths; each
-// request's rows [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]``, their keys at
+// module path, so the two give bitwise the same rows. Weights are blocked-layout tensors with their output widths;
+// each request's rows [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]``, their keys at
 // ``starts[i]``.
+namespace {
+
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                        at::TensorList w_qkv, at::TensorList w_o, at::TensorList w_gu, at::TensorList w_down,
                        at::IntArrayRef widths, const at::Tensor& cos,
@@ -156,6 +156,39 @@ at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Ten
   const at::Tensor h = x + project(att, w_o, d);
   const at::Tensor gu = project(rms_norm(h, ln2, eps), w_gu, widths[2]);
   return h + project(silu_mul(gu), w_down, d);
+}
+
+}  // namespace
+
+// The decoder layers over a few rows, one op a forward: llama_layer for each layer in turn. ``layers`` holds, per
+// layer, ln1, ln2, the k and v caches, then the q/k/v, output, gate/up and down weights of ``per_weight`` tensors
+// each (1: blocked fp32 / bf16, 3: quantized data, scale, min). Returns the inputs of the layers in ``keep``
+// (EAGLE-3's features), then the last layer's output. What this saves is the Python-level loop: a call a layer of
+// ~20 arguments each (~30 us a layer, 1 ms of a 10 ms decode step of the demo target on an AMD EPYC Zen 3).
+std::vector<at::Tensor> llama_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
+                                     at::IntArrayRef widths, const at::Tensor& cos, const at::Tensor& sin,
+                                     at::IntArrayRef row0, at::IntArrayRef rows, at::IntArrayRef lanes,
+                                     at::IntArrayRef starts, const c10::List<std::optional<at::Tensor>>& masks,
+                                     at::IntArrayRef kv_from, double scale, at::IntArrayRef keep) {
+  TORCH_CHECK(per_weight == 1 || per_weight == 3, "llama_layers: a weight is 1 (blocked) or 3 (quantized) tensors");
+  const int64_t per_layer = 4 + 4 * per_weight, n = static_cast<int64_t>(layers.size()) / per_layer;
+  TORCH_CHECK(n >= 1 && n * per_layer == static_cast<int64_t>(layers.size()),
+              "llama_layers: layers must hold ln1, ln2, k cache, v cache and 4 weights of ", per_weight,
+              " tensors for each layer");
+  for (const int64_t k : keep) TORCH_CHECK(0 <= k && k < n, "llama_layers: keep names layer ", k, " of ", n);
+  std::vector<at::Tensor> out(keep.size() + 1);
+  at::Tensor h = x;
+  for (int64_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < keep.size(); ++j)
+      if (keep[j] == i) out[j] = h;
+    const at::TensorList l = layers.slice(static_cast<size_t>(i * per_layer), static_cast<size_t>(per_layer));
+    at::Tensor k_cache = l[2], v_cache = l[3];
+    const auto w = [&](int64_t j) { return l.slice(static_cast<size_t>(4 + j * per_weight), static_cast<size_t>(per_weight)); };
+    h = llama_layer(h, l[0], l[1], eps, w(0), w(1), w(2), w(3), widths, cos, sin, k_cache, v_cache, row0, rows,
+                    lanes, starts, masks, kv_from, scale);
+  }
+  out.back() = h;
+  return out;
 }
 
 }  // namespace SPECHEAD_NS

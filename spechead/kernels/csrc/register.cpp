@@ -35,10 +35,9 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
       "int lane, int start, Tensor? mask, int kv_from, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def(
-      "llama_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] w_qkv, Tensor[] w_o, Tensor[] w_gu, "
-      "Tensor[] w_down, "
-      "int[] widths, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int[] row0, int[] rows, "
-      "int[] lanes, int[] starts, Tensor?[] masks, int[] kv_from, float scale) -> Tensor");
+      "llama_layers(Tensor x, Tensor(a!)[] layers, int per_weight, float eps, int[] widths, Tensor cos, Tensor sin, "
+      "int[] row0, int[] rows, int[] lanes, int[] starts, Tensor?[] masks, int[] kv_from, float scale, int[] keep) "
+      "-> Tensor[]");
   m.def("vector_lanes() -> int", SPECHEAD_NS::vector_lanes);
 }
 SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
@@ -50,5 +49,5 @@ SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("rope", SPECHEAD_NS::rope);
   m.impl("attend", SPECHEAD_NS::attend);
   m.impl("silu_mul", SPECHEAD_NS::silu_mul);
-  m.impl("llama_layer", SPECHEAD_NS::llama_layer);
+  m.impl("llama_layers", SPECHEAD_NS::llama_layers);
 }
