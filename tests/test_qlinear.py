@@ -40,6 +40,19 @@ def test_packing_round_trips_every_row(fmt):
     assert torch.equal(w.dequantize_rows(idx), blocks.dequantize()[idx])
 
 
+@ISAS
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_read_from_the_panels_are_the_blocks_dequantized(isa, fmt):
+    """``qrows`` (an embedding lookup on a tied table) gives the bits of ``QuantBlocks.dequantize`` on every path,
+    and refuses a row past the table."""
+    blocks, w = weight(fmt, n=45, seed=3)
+    lib = kernels.library(isa)
+    idx = torch.tensor([[44, 0, 16], [15, 17, 44]])
+    assert torch.equal(lib.qrows(w.data, w.scale, w.min, idx, w.rows), blocks.dequantize()[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        lib.qrows(w.data, w.scale, w.min, torch.tensor([45]), w.rows)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_keeps_each_block_within_half_a_step(fmt):
     w = torch.randn(8, 64)

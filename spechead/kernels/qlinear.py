@@ -114,7 +114,10 @@ class QuantWeight:
         return QuantBlocks(q.reshape(len(idx), -1).contiguous(), scale, m, self.format)
 
     def dequantize_rows(self, index: Tensor) -> Tensor:
-        """fp32 rows [*index.shape, K] (an embedding lookup on the table this weight is)."""
+        """fp32 rows [*index.shape, K] (an embedding lookup on the table this weight is): the kernel's ``qrows``
+        where a build runs, the same values as ``blocks(index).dequantize()``."""
+        if kernels.available() and index.device.type == "cpu":
+            return kernels.ops().qrows(self.data, self.scale, self.min, index, self.rows)
         return self.blocks(index).dequantize().view(*index.shape, self.in_features)
 
     @property

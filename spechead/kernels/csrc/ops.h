@@ -27,6 +27,8 @@ at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, int64_t blocks
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
                    int64_t n);
 const char* qlinear_path();
+at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, const at::Tensor& ids,
+                 int64_t rows);
 
 // A projection's weight as llama_layers takes it: one blocked fp32 / bf16 tensor (draft_linear) or a quantized
 // weight's data, scale and min (qlinear); y [M, n].

@@ -402,6 +402,52 @@ const char* qlinear_path() {
 #endif
 }
 
+// Rows `ids` of the weight as fp32, scale * q (+ min) per block in that order and rounding, as
+// QuantBlocks.dequantize computes them: an embedding lookup on a tied table. One pass over the rows' own bytes,
+// where the tensor ops (gather, unpack, cast, scale) cost ~0.3 ms a decode step on the demo's table.
+at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, const at::Tensor& ids,
+                 int64_t rows) {
+  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "qrows: data must be contiguous uint8 [N/16, K/32, bytes]");
+  const bool q4 = data.size(2) == 256;
+  TORCH_CHECK(q4 || data.size(2) == 512, "qrows: a block is 256 (q4) or 512 (q8) bytes, got ", data.size(2));
+  const int64_t NP = data.size(0), KB = data.size(1), K = KB * kBlock, B = data.size(2);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == NP * KB * 16,
+              "qrows: scale must be contiguous fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(!q4 || (min.scalar_type() == at::kFloat && min.is_contiguous() && min.numel() == NP * KB * 16),
+              "qrows: a q4 weight needs its min, fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(rows >= 1 && rows <= NP * 16, "qrows: bad row count");
+  const at::Tensor idx = ids.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({idx.numel(), K}, scale.options());
+  const int64_t* pi = idx.data_ptr<int64_t>();
+  const uint8_t* wd = data.data_ptr<uint8_t>();
+  const float* ws = scale.data_ptr<float>();
+  const float* wm = q4 ? min.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  for (int64_t r = 0; r < idx.numel(); ++r) {
+    const int64_t id = pi[r];
+    TORCH_CHECK(0 <= id && id < rows, "qrows: row ", id, " is out of range for ", rows, " rows");
+    const int64_t p = id / 16, c = id % 16;
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* blk = wd + (p * KB + b) * B;
+      const float sc = ws[(p * KB + b) * 16 + c], mn = q4 ? wm[(p * KB + b) * 16 + c] : 0.0f;
+      float* o = po + r * K + b * kBlock;
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 4; ++j) {
+          const int i = c * 4 + j;
+          const float v = q4 ? static_cast<float>(g < 4 ? blk[64 * g + i] & 15 : blk[64 * (g - 4) + i] >> 4)
+                             : static_cast<float>(static_cast<int8_t>(blk[64 * g + i]));
+          o[4 * g + j] = q4 ? v * sc + mn : v * sc;
+        }
+    }
+  }
+  return out.view([&] {
+    std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+    shape.push_back(K);
+    return shape;
+  }());
+}
+
 // x [M, K] float rows; data / scale / min as in the header (min empty for q8); y [M, n] fp32, n <= N/16 * 16.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
                    int64_t n) {

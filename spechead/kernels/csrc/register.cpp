@@ -24,6 +24,7 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
   m.def("draft_linear(Tensor x, Tensor w, int blocks) -> Tensor");
   m.def("qlinear(Tensor x, Tensor data, Tensor scale, Tensor min, int n) -> Tensor");
   m.def("qlinear_path() -> str", SPECHEAD_NS::qlinear_path_name);
+  m.def("qrows(Tensor data, Tensor scale, Tensor min, Tensor ids, int rows) -> Tensor");
   m.def("row_topk(Tensor x, int k, bool log_softmax=False, Tensor? index_map=None) -> (Tensor, Tensor)");
   m.def(
       "active_set_add(Tensor cand, Tensor(a!) in_set, Tensor(b!) slot_of, Tensor(c!) ids, Tensor(d!) last_hit, "
@@ -43,6 +44,7 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
 SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("draft_linear", SPECHEAD_NS::draft_linear);
   m.impl("qlinear", SPECHEAD_NS::qlinear);
+  m.impl("qrows", SPECHEAD_NS::qrows);
   m.impl("row_topk", SPECHEAD_NS::row_topk);
   m.impl("active_set_add", SPECHEAD_NS::active_set_add);
   m.impl("rms_norm", SPECHEAD_NS::rms_norm);
