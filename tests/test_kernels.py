@@ -325,6 +325,10 @@ def test_silu_mul_is_silu_gate_times_up(isa):
     want = F.silu(gu[:, :77].double()) * gu[:, 77:].double()
     torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=1e-6)
     assert all(torch.equal(lib.silu_mul(gu[i : i + 1])[0], got[i]) for i in range(7))
+    # the vector lanes give what the scalar tail gives: 77 = 4 x 16 + 13 = 9 x 8 + 5, the tail repeats the head
+    tail = torch.cat([gu[:, :64], gu[:, :13], gu[:, 77:141], gu[:, 77:90]], dim=1)
+    both = lib.silu_mul(tail)
+    assert torch.equal(both[:, 64:], both[:, :13])
 
 
 @ISAS

@@ -71,6 +71,13 @@ inline Vec vload_bf16(const uint16_t* p) {  // W consecutive bf16 values
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline uint32_t vgt_mask(Vec v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_GT_OQ); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vneg_abs(Vec v) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
+// pos where v >= 0, neg elsewhere (NaN included): the lanes of `v >= 0 ? pos : neg`
+inline Vec vselect_nonneg(Vec v, Vec pos, Vec neg) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ), neg, pos);
+}
 // ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)) + (the same from l1): GCC's _mm512_reduce_add_ps pairing,
 // written out so that every compiler forms it and vsum_many can match it
 inline float vsum(Vec v) {
@@ -112,6 +119,12 @@ inline Vec vload_bf16(const uint16_t* p) {
 }
 inline uint32_t vgt_mask(Vec v, float t) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(t), _CMP_GT_OQ)));
+}
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vneg_abs(Vec v) { return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+inline Vec vselect_nonneg(Vec v, Vec pos, Vec neg) {
+  return _mm256_blendv_ps(neg, pos, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 inline float vsum(Vec v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
