@@ -101,12 +101,14 @@ def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):
 
 
 @pytest.mark.paths
-def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tiny_dir):
-    """The one-op decoder layer computes what the modules do, bitwise; and a tree verification's row is bitwise
-    the decode step it stands for (projections, attention and MLP all computing a row on its own)."""
+@pytest.mark.parametrize("folder", ["tiny_dir", "tiny_gemma3_dir"])
+def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(folder, request):
+    """The one-op decoder layers compute what the modules do, bitwise, for a Llama and a Gemma 3 target (q / k
+    norms, sandwich norms, GELU, sliding windows past their width); and a tree verification's row is bitwise the
+    decode step it stands for (projections, attention and MLP all computing a row on its own)."""
     if not kernels.available():
         pytest.skip("spechead's kernel is not built on this machine")
-    target = make_decoder(tiny_dir, tree=TREES[0]).target
+    target = make_decoder(request.getfixturevalue(folder), tree=TREES[0]).target
     start, g = 40, torch.Generator().manual_seed(3)
     ids = torch.randint(0, target.config.vocab_size, (start + 4,), generator=g)
     # a tree of 4 nodes: 0 -> 1 -> 3 is a branch, 2 a sibling of 1
@@ -118,10 +120,9 @@ def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(tin
         for fused in (True, False):
             target(ids[:start], 0, logits_rows=None)
             target._fused = None if fused else ()  # () keeps the modules
-            assert (
-                target._fused_layers(target.model.embed_tokens(ids[:1]), [Segment(0, 1, 0)], *target.rotary(depth[:1]))
-                is not None
-            ) == fused
+            rope = target.rotary(depth[:1])
+            x = target.model.embed_tokens(ids[:1])
+            assert (target._fused_layers(x, [Segment(0, 1, 0)], rope, [], None) is not None) == fused
             tree = target(ids[start:], start, positions=start + depth, mask=mask).logits
             steps = [target(ids[start + i : start + i + 1], start + n).logits[0] for n, i in enumerate([0, 1, 3])]
             runs[fused] = (tree, steps)

@@ -333,7 +333,7 @@ def test_silu_mul_is_silu_gate_times_up(isa):
 
 @ISAS
 def test_a_layer_over_several_requests_is_each_request_alone(isa):
-    """llama_layers runs every request's attention in one parallel loop (a batch of decode steps and a tree):
+    """decoder_layers runs every request's attention in one parallel loop (a batch of decode steps and a tree):
     each request's rows and cache lane come out bitwise as when the layer runs that request alone. A stack of two
     layers is the one-layer op twice, and ``keep`` returns the second layer's input."""
     lib = kernels.library(isa)
@@ -359,11 +359,14 @@ def test_a_layer_over_several_requests_is_each_request_alone(isa):
     def layers(idx: list[int], x: torch.Tensor, *caches: torch.Tensor, keep=()) -> list[torch.Tensor]:
         rows = torch.cat([torch.arange(row0[i], row0[i] + parts[i][2]) for i in idx])
         r0 = [sum(parts[j][2] for j in idx[:n]) for n in range(len(idx))]
-        stack = [t for k in range(0, len(caches), 2) for t in (ln1, ln2, caches[k], caches[k + 1], *ws)]
-        return lib.llama_layers(
-            x[rows], stack, 1, 1e-5, widths, cos[rows].contiguous(), sin[rows].contiguous(), r0,
+        none = torch.empty(0)
+        stack = [t for k in range(0, len(caches), 2) for t in (ln1, ln2, *[none] * 4, caches[k], caches[k + 1], *ws)]
+        c, s = cos[rows].contiguous(), sin[rows].contiguous()
+        masks, firsts = [parts[i][3] for i in idx], [0] * len(idx)
+        return lib.decoder_layers(
+            x[rows], stack, 1, 1e-5, widths, False, [0] * (len(caches) // 2), c, s, c, s, r0,
             [parts[i][2] for i in idx], [parts[i][0] for i in idx], [parts[i][1] for i in idx],
-            [parts[i][3] for i in idx], [0] * len(idx), hd**-0.5, list(keep),
+            masks, firsts, masks, firsts, hd**-0.5, list(keep),
         )  # fmt: skip
 
     def layer(idx: list[int], kc: torch.Tensor, vc: torch.Tensor, rows_in: torch.Tensor = x) -> torch.Tensor:

@@ -71,7 +71,7 @@ class Transformer(nn.Module):
         self.local = [cfg.is_local(i) for i in range(n)]
         self.max_len, self.lanes = 0, 0
         self.precision = "fp32"  # what its projections compute in: fp32, bf16 (float weights), gguf, q8, q4
-        self._fused: tuple | None = None  # llama_layers' weight arguments, built at the first forward
+        self._fused: tuple | None = None  # decoder_layers' weight arguments, built at the first forward
 
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
@@ -127,10 +127,18 @@ class Transformer(nn.Module):
         inside = key_pos[None, :] > positions[:, None] - w
         return kv_from, base[:, kv_from:] & inside
 
-    def _fused_layers(self, x: Tensor, segments: list[Segment], cos: Tensor, sin: Tensor) -> tuple | None:
-        """The arguments (after ``x``, before ``keep``) of the kernels' ``llama_layers`` where it computes what the
-        modules would: a Llama-style target laid out for the kernel, rows its projections and attention take the
-        kernel for. One op for every layer instead of ~25 Python-level calls a layer; None otherwise."""
+    def _fused_layers(
+        self,
+        x: Tensor,
+        segments: list[Segment],
+        rope: tuple[Tensor, Tensor],
+        local_segments: list[Segment],
+        local_rope: tuple[Tensor, Tensor] | None,
+    ) -> tuple | None:
+        """The arguments (after ``x``, before ``keep``) of the kernels' ``decoder_layers`` where it computes what the
+        modules would: a Llama or Gemma 3 target laid out for the kernel, rows its projections and attention take
+        the kernel for (``local_segments`` and ``local_rope``: the sliding-window layers' view, where there are
+        any). One op for every layer instead of ~25 Python-level calls a layer; None otherwise."""
         qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
         if (
             not isinstance(qkv, (Projection, QuantLinear))
@@ -143,7 +151,9 @@ class Transformer(nn.Module):
             self._fused = self._fused_weights()
         if not self._fused:
             return None
-        layers, per_weight, eps, widths, scale = self._fused
+        layers, per_weight, eps, widths, gelu, local, scale = self._fused
+        local_segments = local_segments or segments
+        local_rope = local_rope or rope
         rows = (
             [s.row0 for s in segments],
             [s.t for s in segments],
@@ -151,16 +161,20 @@ class Transformer(nn.Module):
             [s.start for s in segments],
             [bool_mask(s.mask) for s in segments],
             [s.kv_from for s in segments],
+            [bool_mask(s.mask) for s in local_segments],
+            [s.kv_from for s in local_segments],
         )
-        return (layers, per_weight, eps, widths, cos, sin, *rows, scale)
+        return (layers, per_weight, eps, widths, gelu, local, *rope, *local_rope, *rows, scale)
 
     def _fused_weights(self) -> tuple:
-        """``llama_layers``' weight arguments: per layer its norms, cache and blocked projections in one list, then
-        the tensors a weight is, eps, the projections' widths and the softmax scale; () where a layer is not the
-        plain Llama block (Gemma's norms, biases, GELU, windows) or not on the kernel."""
+        """``decoder_layers``' weight arguments: per layer its six norms (an empty tensor for one it lacks), cache
+        and blocked projections in one list, then the tensors a weight is, eps, the projections' widths, whether
+        the MLP is GeGLU, which layers are local and the softmax scale; () where a layer is not one the op runs
+        (biases, another activation) or not on the kernel."""
         cfg = self.config
-        if cfg.sandwich_norms or cfg.qk_norm or cfg.attention_bias or any(self.local) or cfg.hidden_act != "silu":
+        if cfg.attention_bias or cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             return ()
+        none = torch.empty(0)
         layers: list[Tensor] = []
         kinds, eps = set(), set()
         for layer in self.model.layers:
@@ -168,19 +182,23 @@ class Transformer(nn.Module):
             lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
             if not all(isinstance(li, (Projection, QuantLinear)) for li in lin) or a.cache is None:
                 return ()
-            if layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset:
+            norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
+            norms = [getattr(layer, n, None) for n in (*norm_names, "post_feedforward_layernorm")]
+            norms += [getattr(a, "q_norm", None), getattr(a, "k_norm", None)]
+            if any(n is not None and n.unit_offset for n in norms):
                 return ()
             weights = [li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin]
             kinds.add(tuple(len(w) for w in weights))
-            eps.update((layer.input_layernorm.eps, layer.post_attention_layernorm.eps))
-            layers += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.cache.k, a.cache.v]
+            eps.update(n.eps for n in norms if n is not None)
+            layers += [none if n is None else n.weight for n in norms] + [a.cache.k, a.cache.v]
             layers += [t for w in weights for t in w]
         if len(kinds) != 1 or len(set(next(iter(kinds)))) != 1 or len(eps) != 1:
             return ()  # one op takes one kind of weight and one eps for every layer
-        a = self.model.layers[0].self_attn
-        widths = [li.out_features for li in (a.qkv_proj, a.o_proj, self.model.layers[0].mlp.gate_up_proj)]
-        widths.append(self.model.layers[0].mlp.down_proj.out_features)
-        return layers, next(iter(kinds))[0], eps.pop(), widths, a.scale or cfg.head_dim**-0.5
+        a, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        widths = [a.qkv_proj.out_features, a.o_proj.out_features, mlp.gate_up_proj.out_features]
+        widths.append(mlp.down_proj.out_features)
+        local = [int(flag) for flag in self.local]
+        return layers, next(iter(kinds))[0], eps.pop(), widths, mlp.gelu, local, a.scale or cfg.head_dim**-0.5
 
     def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
         for layer in self.model.layers:
@@ -235,10 +253,11 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(parts[0].tokens if one else torch.cat([p.tokens for p in parts]))
         aux: dict[int, Tensor] = {}
         prefill = is_prefill(segments)
-        fused = self._fused_layers(x, segments, cos, sin) if self.local_rotary is None else None
+        local_rope = (local_cos, local_sin) if self.local_rotary is not None else None
+        fused = self._fused_layers(x, segments, (cos, sin), local_segments, local_rope)
         if fused is not None:
             keep = list(self.eagle3_layers) if want_aux else []
-            *kept, x = kernels.ops().llama_layers(x, *fused, keep)
+            *kept, x = kernels.ops().decoder_layers(x, *fused, keep)
             aux = dict(zip(keep, kept, strict=True))
         else:
             for i, layer in enumerate(self.model.layers):

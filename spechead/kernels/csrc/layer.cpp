@@ -1,12 +1,14 @@
-// The Llama decoder layer's row-wise ops and the layers themselves as one op: rms_norm, silu_mul (SiLU(gate) * up)
-// and llama_layers, which runs every layer over a few rows of several requests with draft_linear (gemm.cpp) or
-// qlinear (qgemm.cpp) and the attention plans (attention.cpp).
+// The decoder layer's row-wise ops and the layers themselves as one op: rms_norm, silu_mul (SiLU(gate) * up) and
+// decoder_layers, which runs every layer (Llama's, or Gemma 3's with its extra norms, GELU and sliding windows) over
+// a few rows of several requests with draft_linear (gemm.cpp) or qlinear (qgemm.cpp) and the attention plans
+// (attention.cpp).
 //
 // Row-count property: rms_norm and silu_mul compute each row alone in one fixed order, and a layer is made of
 // ops that do (the GEMM, attention over each row's own visible slots), so a row's result bits do not depend on how
 // many rows or requests share the call.
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>  // the residual sums: x + y
+#include <ATen/ops/gelu.h>
 
 #include <algorithm>
 #include <vector>
@@ -113,75 +115,109 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-// What Block.forward does for fp32 rows when the kernels run, as one function: RMSNorm, the fused q/k/v projection,
-// attention per request (plan_attend, run_plans), the output projection and residual, RMSNorm, the fused gate/up
-// projection, SiLU(gate) * up, the down projection and residual. The same functions in the same order as the
-// module path, so the two give bitwise the same rows. Weights are blocked-layout tensors with their output widths;
-// each request's rows [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]``, their keys at
-// ``starts[i]``.
 namespace {
 
-at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                       at::TensorList w_qkv, at::TensorList w_o, at::TensorList w_gu, at::TensorList w_down,
-                       at::IntArrayRef widths, const at::Tensor& cos,
-                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef row0,
-                       at::IntArrayRef rows, at::IntArrayRef lanes, at::IntArrayRef starts,
-                       const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from, double scale) {
-  TORCH_CHECK(widths.size() == 4, "llama_layer: widths = (qkv, o, gate_up, down) output features");
-  const size_t P = row0.size();
-  TORCH_CHECK(rows.size() == P && lanes.size() == P && starts.size() == P && masks.size() == P &&
-                  kv_from.size() == P && P >= 1,
-              "llama_layer: one row0 / rows / lane / start / mask / kv_from per request");
-  const int64_t D = cos.size(1), KV = k_cache.size(1), d = x.size(1);
-  const int64_t nq = widths[0] - 2 * KV * D;
-  TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "llama_layer: widths do not fit the cache");
-  const at::Tensor qkv = project(rms_norm(x, ln1, eps), w_qkv, widths[0]);
-  at::Tensor att = at::empty({x.size(0), nq}, x.options());
+// One request set's rows as a layer's attention sees them (a global or a sliding-window layer): each request's rows
+// [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]`` under ``masks[i]``, their keys at
+// ``starts[i]``, rotated by cos / sin.
+struct LayerRows {
+  at::IntArrayRef row0, rows, lanes, starts;
+  const c10::List<std::optional<at::Tensor>>& masks;
+  at::IntArrayRef kv_from;
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+};
+
+// One layer's tensors as decoder_layers takes them; a norm the layer lacks is an empty tensor.
+struct LayerWeights {
+  at::Tensor ln1, ln2, pre_ff, post_ff, q_norm, k_norm, k_cache, v_cache;
+  at::TensorList qkv, o, gate_up, down;
+};
+
+constexpr int64_t kLayerNorms = 6;  // ln1, ln2, pre_ff, post_ff, q_norm, k_norm; then the two caches
+
+// What Block.forward does for fp32 rows when the kernels run, as one function: RMSNorm, the fused q/k/v
+// projection, Gemma's q / k head norms, attention per request (plan_attend, run_plans), the output projection and
+// residual (Gemma: the attention output normed first), the MLP's norm, the fused gate/up projection, SiLU(gate) *
+// up or the tanh GELU's, the down projection (Gemma: normed) and residual. The same functions in the same order as
+// the module path (ATen's gelu and product where the modules call them), so the two give bitwise the same rows.
+at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& L, double eps, at::IntArrayRef widths, bool gelu,
+                         const LayerRows& r, double scale) {
+  const size_t P = r.row0.size();
+  TORCH_CHECK(r.rows.size() == P && r.lanes.size() == P && r.starts.size() == P && r.masks.size() == P &&
+                  r.kv_from.size() == P && P >= 1,
+              "decoder_layers: one row0 / rows / lane / start / mask / kv_from per request");
+  const int64_t T = x.size(0), D = r.cos.size(1), KV = L.k_cache.size(1), d = x.size(1);
+  const int64_t nq = widths[0] - 2 * KV * D, I = widths[2] / 2;
+  TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "decoder_layers: widths do not fit the cache");
+  const at::Tensor qkv = project(rms_norm(x, L.ln1, eps), L.qkv, widths[0]);
+  at::Tensor q = qkv.narrow(1, 0, nq), k = qkv.narrow(1, nq, KV * D);
+  const at::Tensor v = qkv.narrow(1, nq + KV * D, KV * D);
+  if (L.q_norm.numel() > 0) {  // each head's query and key normed before RoPE
+    q = rms_norm(q.reshape({T * (nq / D), D}).contiguous(), L.q_norm, eps).view({T, nq});
+    k = rms_norm(k.reshape({T * KV, D}).contiguous(), L.k_norm, eps).view({T, KV * D});
+  }
+  at::Tensor att = at::empty({T, nq}, x.options());
   // every request's attention planned, then all their tasks in one parallel loop (run_plans)
   std::vector<AttendPlan> plans;
   plans.reserve(P);
   const int64_t min_tasks = P == 1 ? 2 * at::get_num_threads() : 1;
+  at::Tensor k_cache = L.k_cache, v_cache = L.v_cache;  // handles: plan_attend writes the rows' keys and values
   for (size_t p = 0; p < P; ++p) {
-    const at::Tensor part = qkv.narrow(0, row0[p], rows[p]);
-    plans.push_back(plan_attend(part.narrow(1, 0, nq), part.narrow(1, nq, KV * D),
-                                part.narrow(1, nq + KV * D, KV * D), cos.narrow(0, row0[p], rows[p]).contiguous(),
-                                sin.narrow(0, row0[p], rows[p]).contiguous(), k_cache, v_cache, lanes[p], starts[p],
-                                masks.get(p), kv_from[p], scale, att.data_ptr<float>() + row0[p] * nq, min_tasks));
+    const int64_t r0 = r.row0[p], t = r.rows[p];
+    plans.push_back(plan_attend(q.narrow(0, r0, t), k.narrow(0, r0, t), v.narrow(0, r0, t),
+                                r.cos.narrow(0, r0, t).contiguous(), r.sin.narrow(0, r0, t).contiguous(), k_cache,
+                                v_cache, r.lanes[p], r.starts[p], r.masks.get(p), r.kv_from[p], scale,
+                                att.data_ptr<float>() + r0 * nq, min_tasks));
   }
   run_plans(plans);
-  const at::Tensor h = x + project(att, w_o, d);
-  const at::Tensor gu = project(rms_norm(h, ln2, eps), w_gu, widths[2]);
-  return h + project(silu_mul(gu), w_down, d);
+  const bool sandwich = L.pre_ff.numel() > 0;
+  const at::Tensor a = project(att, L.o, d);
+  const at::Tensor h = sandwich ? x + rms_norm(a, L.ln2, eps) : x + a;
+  const at::Tensor gu = project(rms_norm(h, sandwich ? L.pre_ff : L.ln2, eps), L.gate_up, widths[2]);
+  const at::Tensor act = gelu ? at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I) : silu_mul(gu);
+  const at::Tensor m = project(act, L.down, d);
+  return sandwich ? h + rms_norm(m, L.post_ff, eps) : h + m;
 }
 
 }  // namespace
 
-// The decoder layers over a few rows, one op a forward: llama_layer for each layer in turn. ``layers`` holds, per
-// layer, ln1, ln2, the k and v caches, then the q/k/v, output, gate/up and down weights of ``per_weight`` tensors
-// each (1: blocked fp32 / bf16, 3: quantized data, scale, min). Returns the inputs of the layers in ``keep``
-// (EAGLE-3's features), then the last layer's output. What this saves is the Python-level loop: a call a layer of
-// ~20 arguments each (~30 us a layer, 1 ms of a 10 ms decode step of the demo target on an AMD EPYC Zen 3).
-std::vector<at::Tensor> llama_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
-                                     at::IntArrayRef widths, const at::Tensor& cos, const at::Tensor& sin,
-                                     at::IntArrayRef row0, at::IntArrayRef rows, at::IntArrayRef lanes,
-                                     at::IntArrayRef starts, const c10::List<std::optional<at::Tensor>>& masks,
-                                     at::IntArrayRef kv_from, double scale, at::IntArrayRef keep) {
-  TORCH_CHECK(per_weight == 1 || per_weight == 3, "llama_layers: a weight is 1 (blocked) or 3 (quantized) tensors");
-  const int64_t per_layer = 4 + 4 * per_weight, n = static_cast<int64_t>(layers.size()) / per_layer;
+// The decoder layers over a few rows, one op a forward: decoder_layer for each layer in turn. ``layers`` holds, per
+// layer, its six norms (ln1, ln2, pre_ff, post_ff, q_norm, k_norm; empty where it has none), the k and v caches,
+// then the q/k/v, output, gate/up and down weights of ``per_weight`` tensors each (1: blocked fp32 / bf16, 3:
+// quantized data, scale, min). A layer i with local[i] (Gemma's sliding window) attends with the local rotary,
+// masks and first slots. Returns the inputs of the layers in ``keep`` (EAGLE-3's features), then the last layer's
+// output. What this saves is the Python-level work: a call a layer of ~20 arguments each (~30 us a layer, 1 ms of
+// a 10 ms decode step of the demo target on an AMD EPYC Zen 3), and for Gemma ~25 module-level calls a layer.
+std::vector<at::Tensor> decoder_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
+                                       at::IntArrayRef widths, bool gelu, at::IntArrayRef local, const at::Tensor& cos,
+                                       const at::Tensor& sin, const at::Tensor& local_cos,
+                                       const at::Tensor& local_sin, at::IntArrayRef row0, at::IntArrayRef rows,
+                                       at::IntArrayRef lanes, at::IntArrayRef starts,
+                                       const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from,
+                                       const c10::List<std::optional<at::Tensor>>& local_masks,
+                                       at::IntArrayRef local_kv_from, double scale, at::IntArrayRef keep) {
+  TORCH_CHECK(per_weight == 1 || per_weight == 3, "decoder_layers: a weight is 1 (blocked) or 3 (quantized) tensors");
+  TORCH_CHECK(widths.size() == 4, "decoder_layers: widths = (qkv, o, gate_up, down) output features");
+  const int64_t per_layer = kLayerNorms + 2 + 4 * per_weight, n = static_cast<int64_t>(layers.size()) / per_layer;
   TORCH_CHECK(n >= 1 && n * per_layer == static_cast<int64_t>(layers.size()),
-              "llama_layers: layers must hold ln1, ln2, k cache, v cache and 4 weights of ", per_weight,
+              "decoder_layers: layers must hold 6 norms, the k and v caches and 4 weights of ", per_weight,
               " tensors for each layer");
-  for (const int64_t k : keep) TORCH_CHECK(0 <= k && k < n, "llama_layers: keep names layer ", k, " of ", n);
+  TORCH_CHECK(static_cast<int64_t>(local.size()) == n, "decoder_layers: one local flag per layer");
+  for (const int64_t k : keep) TORCH_CHECK(0 <= k && k < n, "decoder_layers: keep names layer ", k, " of ", n);
+  const LayerRows global_rows{row0, rows, lanes, starts, masks, kv_from, cos, sin};
+  const LayerRows local_rows{row0, rows, lanes, starts, local_masks, local_kv_from, local_cos, local_sin};
   std::vector<at::Tensor> out(keep.size() + 1);
   at::Tensor h = x;
   for (int64_t i = 0; i < n; ++i) {
     for (size_t j = 0; j < keep.size(); ++j)
       if (keep[j] == i) out[j] = h;
     const at::TensorList l = layers.slice(static_cast<size_t>(i * per_layer), static_cast<size_t>(per_layer));
-    at::Tensor k_cache = l[2], v_cache = l[3];
-    const auto w = [&](int64_t j) { return l.slice(static_cast<size_t>(4 + j * per_weight), static_cast<size_t>(per_weight)); };
-    h = llama_layer(h, l[0], l[1], eps, w(0), w(1), w(2), w(3), widths, cos, sin, k_cache, v_cache, row0, rows,
-                    lanes, starts, masks, kv_from, scale);
+    const auto w = [&](int64_t j) {
+      return l.slice(static_cast<size_t>(kLayerNorms + 2 + j * per_weight), static_cast<size_t>(per_weight));
+    };
+    const LayerWeights L{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], w(0), w(1), w(2), w(3)};
+    h = decoder_layer(h, L, eps, widths, gelu, local[i] ? local_rows : global_rows, scale);
   }
   out.back() = h;
   return out;

@@ -1,6 +1,6 @@
 // The ops of one build, declared for the registration (register.cpp) and for the fused layer (layer.cpp), which
 // calls the others: draft_linear (gemm.cpp), row_topk and active_set_add (topk.cpp), rope and attend with the
-// attention plan a layer batches over requests (attention.cpp), rms_norm, silu_mul and llama_layers (layer.cpp).
+// attention plan a layer batches over requests (attention.cpp), rms_norm, silu_mul and decoder_layers (layer.cpp).
 #pragma once
 
 // ATen's tensor type and the two factory ops the kernels call, not all of ATen/ATen.h, which would add a few
@@ -30,7 +30,7 @@ const char* qlinear_path();
 at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, const at::Tensor& ids,
                  int64_t rows);
 
-// A projection's weight as llama_layers takes it: one blocked fp32 / bf16 tensor (draft_linear) or a quantized
+// A projection's weight as decoder_layers takes it: one blocked fp32 / bf16 tensor (draft_linear) or a quantized
 // weight's data, scale and min (qlinear); y [M, n].
 at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t n);
 
@@ -78,10 +78,13 @@ void run_plans(const std::vector<AttendPlan>& plans);
 // layer.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
-std::vector<at::Tensor> llama_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
-                                     at::IntArrayRef widths, const at::Tensor& cos, const at::Tensor& sin,
-                                     at::IntArrayRef row0, at::IntArrayRef rows, at::IntArrayRef lanes,
-                                     at::IntArrayRef starts, const c10::List<std::optional<at::Tensor>>& masks,
-                                     at::IntArrayRef kv_from, double scale, at::IntArrayRef keep);
+std::vector<at::Tensor> decoder_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
+                                       at::IntArrayRef widths, bool gelu, at::IntArrayRef local, const at::Tensor& cos,
+                                       const at::Tensor& sin, const at::Tensor& local_cos,
+                                       const at::Tensor& local_sin, at::IntArrayRef row0, at::IntArrayRef rows,
+                                       at::IntArrayRef lanes, at::IntArrayRef starts,
+                                       const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef kv_from,
+                                       const c10::List<std::optional<at::Tensor>>& local_masks,
+                                       at::IntArrayRef local_kv_from, double scale, at::IntArrayRef keep);
 
 }  // namespace SPECHEAD_NS

@@ -36,8 +36,9 @@ SPECHEAD_LIBRARY(SPECHEAD_NS, m) {
       "int lane, int start, Tensor? mask, int kv_from, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def(
-      "llama_layers(Tensor x, Tensor(a!)[] layers, int per_weight, float eps, int[] widths, Tensor cos, Tensor sin, "
-      "int[] row0, int[] rows, int[] lanes, int[] starts, Tensor?[] masks, int[] kv_from, float scale, int[] keep) "
+      "decoder_layers(Tensor x, Tensor(a!)[] layers, int per_weight, float eps, int[] widths, bool gelu, int[] local, "
+      "Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin, int[] row0, int[] rows, int[] lanes, int[] starts, "
+      "Tensor?[] masks, int[] kv_from, Tensor?[] local_masks, int[] local_kv_from, float scale, int[] keep) "
       "-> Tensor[]");
   m.def("vector_lanes() -> int", SPECHEAD_NS::vector_lanes);
 }
@@ -51,5 +52,5 @@ SPECHEAD_LIBRARY_IMPL(SPECHEAD_NS, CPU, m) {
   m.impl("rope", SPECHEAD_NS::rope);
   m.impl("attend", SPECHEAD_NS::attend);
   m.impl("silu_mul", SPECHEAD_NS::silu_mul);
-  m.impl("llama_layers", SPECHEAD_NS::llama_layers);
+  m.impl("decoder_layers", SPECHEAD_NS::decoder_layers);
 }
