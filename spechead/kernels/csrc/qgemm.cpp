@@ -68,23 +68,26 @@ QRows quantize_rows(const float* x, int64_t M, int64_t K) {
   a.d.resize(static_cast<size_t>(M * a.KB));
   a.ds.resize(a.d.size());
   a.s.resize(a.d.size());
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t b = 0; b < a.KB; ++b) {
-      const float* v = x + r * K + b * kBlock;
-      float amax = 0.0f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* q = a.q.data() + r * K + b * kBlock;
-      int32_t s = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        const float t = v[i] * id;  // |t| <= 127 up to one rounding, so the integer fits
-        q[i] = static_cast<int8_t>(std::nearbyint(t));
-        s += q[i];
+  // rows apart on the threads where there are enough of them (a prefill's hundreds): each row alone, as ever
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < a.KB; ++b) {
+        const float* v = x + r * K + b * kBlock;
+        float amax = 0.0f;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t* q = a.q.data() + r * K + b * kBlock;
+        int32_t s = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const float t = v[i] * id;  // |t| <= 127 up to one rounding, so the integer fits
+          q[i] = static_cast<int8_t>(std::nearbyint(t));
+          s += q[i];
+        }
+        const int64_t j = r * a.KB + b;
+        a.d[j] = d, a.s[j] = s, a.ds[j] = d * static_cast<float>(s);
       }
-      const int64_t j = r * a.KB + b;
-      a.d[j] = d, a.s[j] = s, a.ds[j] = d * static_cast<float>(s);
     }
-  }
+  });
   return a;
 }
 
