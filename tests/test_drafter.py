@@ -181,3 +181,34 @@ def test_a_laid_out_drafter_drafts_trains_and_saves_as_before(tiny_target, tmp_p
     d.save(tmp_path / arch, dtype=torch.float32)
     back = load_drafter(tmp_path / arch, tiny_target)
     assert set(back.state_dict()) == names
+
+
+def test_a_quantized_eagle2_layer_runs_as_one_op_and_gives_the_modules_bits(tiny_target):
+    """Beside an integer target the EAGLE-2 drafter is fused and quantized; its layer then runs as the kernels'
+    ``decoder_layers`` (no input norm): a prefill, a step and a tree give bitwise what the modules give."""
+    from spechead import kernels
+
+    if not kernels.available():
+        pytest.skip("spechead's kernel is not built on this machine")
+    d = random_drafter(tiny_target, "eagle2", seed=4)
+    d.prepack("q8")
+    d.setup_cache(64)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, tiny_target.config.vocab_size, (12,), generator=g)
+    feats = torch.randn(12, tiny_target.config.hidden_size, generator=g)
+    tree = torch.ones(3, 11, dtype=torch.bool)
+    tree[:, 8:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    runs = {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            d._fused = None if fused else ()  # () keeps the modules
+            x = d.fc(torch.cat([d.embed(tokens[:1]), feats[:1]], dim=-1))
+            assert (d.run_layer(x, 0, None, d.rotary(torch.arange(1))) is not None) == fused
+            prefill = d(tokens[:8], feats[:8], 0, torch.arange(8), None)
+            step = d(tokens[8:9], feats[8:9], 8, torch.arange(8, 9), None)
+            nodes = [8, 10, 11]  # node 0 is the step's own pair, 1 and 2 its children
+            branch = d(tokens[nodes], feats[nodes], 8, torch.tensor([8, 9, 9]), tree)
+            runs[fused] = (prefill, step, branch)
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[True][2][0], runs[True][1][0])  # the tree's first node is the step it stands for

@@ -25,11 +25,22 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from spechead import kernels
 from spechead.errors import SpecheadError
 from spechead.kernels.linear import prepack_linears
 from spechead.kernels.qlinear import QuantLinear, QuantWeight, quantize_linears
 from spechead.model.config import ModelConfig
-from spechead.model.layers import Block, KVCache, Linear, RMSNorm, Rotary, Segment, is_prefill
+from spechead.model.layers import (
+    Block,
+    KVCache,
+    Linear,
+    RMSNorm,
+    Rotary,
+    Segment,
+    fused_args,
+    fused_stack,
+    is_prefill,
+)
 from spechead.model.loading import read_safetensors, read_safetensors_file
 from spechead.model.lowrank import LowRankLinear
 from spechead.model.transformer import TargetOutput, Transformer
@@ -46,6 +57,7 @@ class Drafter(nn.Module):
         self._embed = [embed]  # a list, so the target's table is neither registered nor saved
         self.rotary: Rotary | None = None
         self.max_len, self.lanes = 0, 0
+        self._fused: tuple | None = None  # decoder_layers' weight arguments for the layer, built at first use
 
     @property
     def embed(self) -> nn.Embedding:
@@ -69,6 +81,7 @@ class Drafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, self.max_len, cfg.rope_theta, cfg.rope_scaling).to(p.device)
         kv = KVCache(self.max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
         self.layer.self_attn.cache = kv
+        self._fused = None
 
     def prepack(self, precision: str = "fp32") -> bool:
         """Inference: the backbone's projections on the few-row kernel, as the target's (``Transformer.prepack``):
@@ -77,6 +90,7 @@ class Drafter(nn.Module):
         to q8 instead (the drafter's precision changes what it proposes, never the output), and the drafter no
         longer trains. At fp32 the parameters and the state dict stay as they are, so a laid-out drafter still
         trains and saves; its own LM head (EAGLE-3) is the draft head's to lay out, not this."""
+        self._fused = None
         if precision in ("gguf", "q8", "q4"):
             if hasattr(self.layer.self_attn, "q_proj"):  # one q/k/v and one gate/up product, as the target's
                 self.layer.self_attn.fuse()
@@ -215,6 +229,18 @@ class Eagle2Drafter(Drafter):
     def layer(self) -> Block:
         return self.layers[0]
 
+    def run_layer(
+        self, x: Tensor, start: int | Sequence[Segment], mask: Tensor | None, rope: tuple[Tensor, Tensor]
+    ) -> Tensor | None:
+        """The layer over ``x`` (its attention reads ``x`` as it is: no input norm) as the kernels' one-op
+        ``decoder_layers`` where it runs (a fused drafter on the kernel, a few rows a request): what
+        ``layer(x, x, ...)`` computes, bitwise; None where it does not run."""
+        segments = [Segment(0, x.shape[0], start, mask, 0)] if isinstance(start, int) else start
+        if self._fused is None:
+            self._fused = fused_stack([self.layer], self.config, [False])
+        args = fused_args([self.layer], self._fused, x, segments, rope)
+        return None if args is None else kernels.ops().decoder_layers(x, *args, [])[-1]
+
     def target_features(self, out: TargetOutput) -> Tensor:
         return out.hidden
 
@@ -224,7 +250,8 @@ class Eagle2Drafter(Drafter):
         prefill = is_prefill(start)
         x = self.fc(torch.cat([self.embed(tokens), feats.to(self.float_weight.dtype)], dim=-1), prefill)
         cos, sin = self.rotary(positions)
-        return self.layer(x, x, cos, sin, start, mask, prefill=prefill)
+        fused = self.run_layer(x, start, mask, (cos, sin))
+        return fused if fused is not None else self.layer(x, x, cos, sin, start, mask, prefill=prefill)
 
     def head_weight(self, target: Transformer) -> tuple[Tensor | QuantWeight, Tensor | None]:
         """The target's LM head: its float weight, or a quantized target's blocks (the head's default precision)."""

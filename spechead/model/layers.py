@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spechead import kernels
+from spechead.kernels.linear import Projection
+from spechead.kernels.qlinear import QuantLinear
 from spechead.model.config import ModelConfig
 
 
@@ -369,3 +371,76 @@ class Block(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), prefill))
         h = x + a
         return h + self.mlp(self.post_attention_layernorm(h), prefill)
+
+
+def fused_stack(blocks: Sequence[Block], cfg: ModelConfig, local: Sequence[bool]) -> tuple:
+    """The weight arguments of the kernels' ``decoder_layers`` for ``blocks``: per block its six norms (an empty
+    tensor for one it lacks: EAGLE-2's layer has no input norm, Llama's no sandwich or head norms), cache and
+    blocked projections in one list, then the tensors a weight is, eps, the projections' widths, whether the MLP is
+    GeGLU, which blocks are local and the softmax scale. () where a block is not one the op runs: biases, another
+    activation, projections not fused or not on the kernel, no cache."""
+    if cfg.attention_bias or cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        return ()
+    none = torch.empty(0)
+    layers: list[Tensor] = []
+    kinds, eps = set(), set()
+    for block in blocks:
+        a, m = block.self_attn, block.mlp
+        lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
+        if not all(isinstance(li, (Projection, QuantLinear)) for li in lin) or a.cache is None:
+            return ()
+        names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
+        norms = [getattr(block, n, None) for n in (*names, "post_feedforward_layernorm")]
+        norms += [getattr(a, "q_norm", None), getattr(a, "k_norm", None)]
+        if any(n is not None and n.unit_offset for n in norms):
+            return ()
+        weights = [li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin]
+        kinds.add(tuple(len(w) for w in weights))
+        eps.update(n.eps for n in norms if n is not None)
+        layers += [none if n is None else n.weight for n in norms] + [a.cache.k, a.cache.v]
+        layers += [t for w in weights for t in w]
+    if len(kinds) != 1 or len(set(next(iter(kinds)))) != 1 or len(eps) != 1:
+        return ()  # one op takes one kind of weight and one eps for every layer
+    a, mlp = blocks[0].self_attn, blocks[0].mlp
+    widths = [a.qkv_proj.out_features, a.o_proj.out_features, mlp.gate_up_proj.out_features]
+    widths.append(mlp.down_proj.out_features)
+    flags = [int(flag) for flag in local]
+    return layers, next(iter(kinds))[0], eps.pop(), widths, mlp.gelu, flags, a.scale or cfg.head_dim**-0.5
+
+
+def fused_args(
+    blocks: Sequence[Block],
+    stack: tuple,
+    x: Tensor,
+    segments: Sequence[Segment],
+    rope: tuple[Tensor, Tensor],
+    local_segments: Sequence[Segment] = (),
+    local_rope: tuple[Tensor, Tensor] | None = None,
+) -> tuple | None:
+    """The arguments (after ``x``, before ``keep``) of ``decoder_layers`` over ``blocks`` (their ``fused_stack``)
+    where it computes what the modules would: rows its projections and attention take the kernel for
+    (``local_segments`` and ``local_rope``: the sliding-window layers' view, where there are any). One op for every
+    layer instead of ~25 Python-level calls a layer; None otherwise."""
+    qkv = getattr(blocks[0].self_attn, "qkv_proj", None)
+    if (
+        not stack
+        or not isinstance(qkv, (Projection, QuantLinear))
+        or not qkv.on_kernel(x, is_prefill(segments))
+        or any(s.t > KERNEL_ROWS for s in segments)
+        or not kernel_rows(x)
+    ):
+        return None
+    layers, per_weight, eps, widths, gelu, local, scale = stack
+    local_segments = local_segments or segments
+    local_rope = local_rope or rope
+    rows = (
+        [s.row0 for s in segments],
+        [s.t for s in segments],
+        [s.lane for s in segments],
+        [s.start for s in segments],
+        [bool_mask(s.mask) for s in segments],
+        [s.kv_from for s in segments],
+        [bool_mask(s.mask) for s in local_segments],
+        [s.kv_from for s in local_segments],
+    )
+    return (layers, per_weight, eps, widths, gelu, local, *rope, *local_rope, *rows, scale)

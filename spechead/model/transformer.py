@@ -8,21 +8,19 @@ import torch
 from torch import Tensor, nn
 
 from spechead import kernels
-from spechead.kernels.linear import Projection, prepack_linears
-from spechead.kernels.qlinear import QuantLinear
+from spechead.kernels.linear import prepack_linears
 from spechead.model.config import ModelConfig
 from spechead.model.layers import (
-    KERNEL_ROWS,
     Block,
     KVCache,
     RMSNorm,
     Rotary,
     ScaledEmbedding,
     Segment,
-    bool_mask,
     causal_mask,
+    fused_args,
+    fused_stack,
     is_prefill,
-    kernel_rows,
 )
 
 
@@ -135,70 +133,10 @@ class Transformer(nn.Module):
         local_segments: list[Segment],
         local_rope: tuple[Tensor, Tensor] | None,
     ) -> tuple | None:
-        """The arguments (after ``x``, before ``keep``) of the kernels' ``decoder_layers`` where it computes what the
-        modules would: a Llama or Gemma 3 target laid out for the kernel, rows its projections and attention take
-        the kernel for (``local_segments`` and ``local_rope``: the sliding-window layers' view, where there are
-        any). One op for every layer instead of ~25 Python-level calls a layer; None otherwise."""
-        qkv = getattr(self.model.layers[0].self_attn, "qkv_proj", None)
-        if (
-            not isinstance(qkv, (Projection, QuantLinear))
-            or not qkv.on_kernel(x, is_prefill(segments))
-            or any(s.t > KERNEL_ROWS for s in segments)
-            or not kernel_rows(x)
-        ):
-            return None
+        """``layers.fused_args`` for this target's layers (their stack built at the first call)."""
         if self._fused is None:
-            self._fused = self._fused_weights()
-        if not self._fused:
-            return None
-        layers, per_weight, eps, widths, gelu, local, scale = self._fused
-        local_segments = local_segments or segments
-        local_rope = local_rope or rope
-        rows = (
-            [s.row0 for s in segments],
-            [s.t for s in segments],
-            [s.lane for s in segments],
-            [s.start for s in segments],
-            [bool_mask(s.mask) for s in segments],
-            [s.kv_from for s in segments],
-            [bool_mask(s.mask) for s in local_segments],
-            [s.kv_from for s in local_segments],
-        )
-        return (layers, per_weight, eps, widths, gelu, local, *rope, *local_rope, *rows, scale)
-
-    def _fused_weights(self) -> tuple:
-        """``decoder_layers``' weight arguments: per layer its six norms (an empty tensor for one it lacks), cache
-        and blocked projections in one list, then the tensors a weight is, eps, the projections' widths, whether
-        the MLP is GeGLU, which layers are local and the softmax scale; () where a layer is not one the op runs
-        (biases, another activation) or not on the kernel."""
-        cfg = self.config
-        if cfg.attention_bias or cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            return ()
-        none = torch.empty(0)
-        layers: list[Tensor] = []
-        kinds, eps = set(), set()
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            lin = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up_proj", None), m.down_proj]
-            if not all(isinstance(li, (Projection, QuantLinear)) for li in lin) or a.cache is None:
-                return ()
-            norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
-            norms = [getattr(layer, n, None) for n in (*norm_names, "post_feedforward_layernorm")]
-            norms += [getattr(a, "q_norm", None), getattr(a, "k_norm", None)]
-            if any(n is not None and n.unit_offset for n in norms):
-                return ()
-            weights = [li.layout.tensors if isinstance(li, QuantLinear) else [li.layout.data] for li in lin]
-            kinds.add(tuple(len(w) for w in weights))
-            eps.update(n.eps for n in norms if n is not None)
-            layers += [none if n is None else n.weight for n in norms] + [a.cache.k, a.cache.v]
-            layers += [t for w in weights for t in w]
-        if len(kinds) != 1 or len(set(next(iter(kinds)))) != 1 or len(eps) != 1:
-            return ()  # one op takes one kind of weight and one eps for every layer
-        a, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        widths = [a.qkv_proj.out_features, a.o_proj.out_features, mlp.gate_up_proj.out_features]
-        widths.append(mlp.down_proj.out_features)
-        local = [int(flag) for flag in self.local]
-        return layers, next(iter(kinds))[0], eps.pop(), widths, mlp.gelu, local, a.scale or cfg.head_dim**-0.5
+            self._fused = fused_stack(self.model.layers, self.config, self.local)
+        return fused_args(self.model.layers, self._fused, x, segments, rope, local_segments, local_rope)
 
     def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
         for layer in self.model.layers:

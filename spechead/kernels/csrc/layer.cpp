@@ -150,7 +150,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& L, double eps,
   const int64_t T = x.size(0), D = r.cos.size(1), KV = L.k_cache.size(1), d = x.size(1);
   const int64_t nq = widths[0] - 2 * KV * D, I = widths[2] / 2;
   TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "decoder_layers: widths do not fit the cache");
-  const at::Tensor qkv = project(rms_norm(x, L.ln1, eps), L.qkv, widths[0]);
+  // no input norm (EAGLE-2's drafter layer): the attention reads x as it is
+  const at::Tensor qkv = project(L.ln1.numel() > 0 ? rms_norm(x, L.ln1, eps) : x, L.qkv, widths[0]);
   at::Tensor q = qkv.narrow(1, 0, nq), k = qkv.narrow(1, nq, KV * D);
   const at::Tensor v = qkv.narrow(1, nq + KV * D, KV * D);
   if (L.q_norm.numel() > 0) {  // each head's query and key normed before RoPE
