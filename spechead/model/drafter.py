@@ -37,6 +37,7 @@ from spechead.model.layers import (
     RMSNorm,
     Rotary,
     Segment,
+    as_segments,
     fused_args,
     fused_stack,
     is_prefill,
@@ -235,10 +236,9 @@ class Eagle2Drafter(Drafter):
         """The layer over ``x`` (its attention reads ``x`` as it is: no input norm) as the kernels' one-op
         ``decoder_layers`` where it runs (a fused drafter on the kernel, a few rows a request): what
         ``layer(x, x, ...)`` computes, bitwise; None where it does not run."""
-        segments = [Segment(0, x.shape[0], start, mask, 0)] if isinstance(start, int) else start
         if self._fused is None:
             self._fused = fused_stack([self.layer], self.config, [False])
-        args = fused_args([self.layer], self._fused, x, segments, rope)
+        args = fused_args([self.layer], self._fused, x, as_segments(start, x.shape[0], mask), rope)
         return None if args is None else kernels.ops().decoder_layers(x, *args, [])[-1]
 
     def target_features(self, out: TargetOutput) -> Tensor:

@@ -189,6 +189,14 @@ class Segment:
     kv_from: int = 0
 
 
+def as_segments(
+    start: int | Sequence[Segment], t: int, mask: Tensor | None = None, kv_from: int = 0
+) -> Sequence[Segment]:
+    """The segments of a forward's ``t`` rows: ``start`` as given where it already is a list, else one request's
+    rows at slot ``start`` on lane 0 under ``mask``."""
+    return [Segment(0, t, start, mask, 0, kv_from)] if isinstance(start, int) else start
+
+
 def is_prefill(start: int | Sequence[Segment]) -> bool:
     """Whether rows at ``start`` (a slot, or a batched call's segments) are a prompt's prefill: every request's
     rows start at slot 0. A decode step, a verification or a draft continues a cache."""
@@ -241,7 +249,7 @@ class Attention(nn.Module):
         ``start`` may instead be the segments of a batched forward (each with its own slots, mask and lane).
         ``prefill``: the rows are a prompt's prefill (``is_prefill``), which the projections' path depends on."""
         t, hd = x.shape[0], self.head_dim
-        segments = [Segment(0, t, start, mask, 0, kv_from)] if isinstance(start, int) else start
+        segments = as_segments(start, t, mask, kv_from)
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x, prefill).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         else:

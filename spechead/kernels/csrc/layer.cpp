@@ -144,9 +144,6 @@ constexpr int64_t kLayerNorms = 6;  // ln1, ln2, pre_ff, post_ff, q_norm, k_norm
 at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& L, double eps, at::IntArrayRef widths, bool gelu,
                          const LayerRows& r, double scale) {
   const size_t P = r.row0.size();
-  TORCH_CHECK(r.rows.size() == P && r.lanes.size() == P && r.starts.size() == P && r.masks.size() == P &&
-                  r.kv_from.size() == P && P >= 1,
-              "decoder_layers: one row0 / rows / lane / start / mask / kv_from per request");
   const int64_t T = x.size(0), D = r.cos.size(1), KV = L.k_cache.size(1), d = x.size(1);
   const int64_t nq = widths[0] - 2 * KV * D, I = widths[2] / 2;
   TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "decoder_layers: widths do not fit the cache");
@@ -206,6 +203,10 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x, at::TensorList layer
               " tensors for each layer");
   TORCH_CHECK(static_cast<int64_t>(local.size()) == n, "decoder_layers: one local flag per layer");
   for (const int64_t k : keep) TORCH_CHECK(0 <= k && k < n, "decoder_layers: keep names layer ", k, " of ", n);
+  const size_t P = row0.size();
+  TORCH_CHECK(rows.size() == P && lanes.size() == P && starts.size() == P && masks.size() == P &&
+                  kv_from.size() == P && local_masks.size() == P && local_kv_from.size() == P && P >= 1,
+              "decoder_layers: one row0 / rows / lane / start / mask / kv_from per request");
   const LayerRows global_rows{row0, rows, lanes, starts, masks, kv_from, cos, sin};
   const LayerRows local_rows{row0, rows, lanes, starts, local_masks, local_kv_from, local_cos, local_sin};
   std::vector<at::Tensor> out(keep.size() + 1);

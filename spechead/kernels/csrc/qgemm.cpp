@@ -91,6 +91,32 @@ QRows quantize_rows(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
+// The value of byte i (column i / 4, k = 4 g + i % 4) of group g in a packed block: q8 a signed byte; q4 the low
+// nibble of chunk g for groups 0..3, the high nibble of chunk g - 4 for groups 4..7.
+inline int8_t block_value(const uint8_t* blk, bool q4, int g, int i) {
+  if (!q4) return static_cast<int8_t>(blk[64 * g + i]);
+  return static_cast<int8_t>(g < 4 ? blk[64 * g + i] & 15 : blk[64 * (g - 4) + i] >> 4);
+}
+
+// The checks of a packed weight's tensors (the header's layout) for op `op`: whether it is q4, panels, blocks.
+struct WeightShape {
+  bool q4;
+  int64_t panels, blocks;
+};
+
+WeightShape check_weight(const char* op, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min) {
+  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kByte && data.is_contiguous(), op,
+              ": data must be contiguous uint8 [N/16, K/32, bytes]");
+  const bool q4 = data.size(2) == 256;
+  TORCH_CHECK(q4 || data.size(2) == 512, op, ": a block is 256 (q4) or 512 (q8) bytes, got ", data.size(2));
+  const int64_t NP = data.size(0), KB = data.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == NP * KB * 16, op,
+              ": scale must be contiguous fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(!q4 || (min.scalar_type() == at::kFloat && min.is_contiguous() && min.numel() == NP * KB * 16), op,
+              ": a q4 weight needs its min, fp32 [N/16, K/32, 16]");
+  return {q4, NP, KB};
+}
+
 // ---- the portable path: the definition the vector paths reproduce bit for bit ---------------------------------
 template <bool Q4>
 void panel_portable(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0, int64_t rows,
@@ -102,11 +128,7 @@ void panel_portable(const uint8_t* wd, const float* ws, const float* wm, const Q
     const uint8_t* blk = wd + b * B;
     for (int g = 0; g < 8; ++g)
       for (int c = 0; c < 16; ++c)
-        for (int j = 0; j < 4; ++j) {
-          const int i = c * 4 + j;
-          w[c][4 * g + j] = Q4 ? static_cast<int8_t>(g < 4 ? blk[64 * g + i] & 15 : blk[64 * (g - 4) + i] >> 4)
-                               : static_cast<int8_t>(blk[64 * g + i]);
-        }
+        for (int j = 0; j < 4; ++j) w[c][4 * g + j] = block_value(blk, Q4, g, c * 4 + j);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t j = (r0 + r) * a.KB + b;
       const int8_t* q = a.q.data() + (r0 + r) * a.K + b * kBlock;
@@ -410,15 +432,8 @@ const char* qlinear_path() {
 // where the tensor ops (gather, unpack, cast, scale) cost ~0.3 ms a decode step on the demo's table.
 at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, const at::Tensor& ids,
                  int64_t rows) {
-  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "qrows: data must be contiguous uint8 [N/16, K/32, bytes]");
-  const bool q4 = data.size(2) == 256;
-  TORCH_CHECK(q4 || data.size(2) == 512, "qrows: a block is 256 (q4) or 512 (q8) bytes, got ", data.size(2));
-  const int64_t NP = data.size(0), KB = data.size(1), K = KB * kBlock, B = data.size(2);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == NP * KB * 16,
-              "qrows: scale must be contiguous fp32 [N/16, K/32, 16]");
-  TORCH_CHECK(!q4 || (min.scalar_type() == at::kFloat && min.is_contiguous() && min.numel() == NP * KB * 16),
-              "qrows: a q4 weight needs its min, fp32 [N/16, K/32, 16]");
+  const auto [q4, NP, KB] = check_weight("qrows", data, scale, min);
+  const int64_t K = KB * kBlock, B = data.size(2);
   TORCH_CHECK(rows >= 1 && rows <= NP * 16, "qrows: bad row count");
   const at::Tensor idx = ids.to(at::kLong).contiguous();
   at::Tensor out = at::empty({idx.numel(), K}, scale.options());
@@ -437,9 +452,7 @@ at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tens
       float* o = po + r * K + b * kBlock;
       for (int g = 0; g < 8; ++g)
         for (int j = 0; j < 4; ++j) {
-          const int i = c * 4 + j;
-          const float v = q4 ? static_cast<float>(g < 4 ? blk[64 * g + i] & 15 : blk[64 * (g - 4) + i] >> 4)
-                             : static_cast<float>(static_cast<int8_t>(blk[64 * g + i]));
+          const float v = static_cast<float>(block_value(blk, q4, g, c * 4 + j));
           o[4 * g + j] = q4 ? v * sc + mn : v * sc;
         }
     }
@@ -455,15 +468,8 @@ at::Tensor qrows(const at::Tensor& data, const at::Tensor& scale, const at::Tens
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
                    int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qlinear: x must be a 2-D CPU tensor");
-  TORCH_CHECK(data.dim() == 3 && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "qlinear: data must be contiguous uint8 [N/16, K/32, bytes]");
-  const bool q4 = data.size(2) == 256;
-  TORCH_CHECK(q4 || data.size(2) == 512, "qlinear: a block is 256 (q4) or 512 (q8) bytes, got ", data.size(2));
-  const int64_t NP = data.size(0), KB = data.size(1), K = KB * kBlock;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == NP * KB * 16,
-              "qlinear: scale must be contiguous fp32 [N/16, K/32, 16]");
-  TORCH_CHECK(!q4 || (min.scalar_type() == at::kFloat && min.is_contiguous() && min.numel() == NP * KB * 16),
-              "qlinear: a q4 weight needs its min, fp32 [N/16, K/32, 16]");
+  const auto [q4, NP, KB] = check_weight("qlinear", data, scale, min);
+  const int64_t K = KB * kBlock;
   TORCH_CHECK(x.size(1) == K, "qlinear: x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(n >= 1 && n <= NP * 16 && x.size(0) >= 1, "qlinear: bad output width or no rows");
   const at::Tensor xs = x.to(at::kFloat).contiguous();
