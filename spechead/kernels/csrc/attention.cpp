@@ -1,6 +1,6 @@
 // rope: the rotary embedding of a few rows; attend: RoPE, the cache write and the attention of a few query rows
-// over a cache lane, as one op, and the plan / run_plans pair the fused layer (layer.cpp) uses to run several
-// requests' attention in one parallel loop.
+// over a cache lane, as one op; and attend_rows / plan_attend / run_plans, with which the fused layer (layer.cpp)
+// works out each request's rows once a forward and runs several requests' attention in one parallel loop.
 //
 // One op for a decode step's or a verification's attention: RoPE on the rows' queries and keys, the keys and
 // values stored at slots [start, start+T) of the cache lane, then each query row (and head) attends over the slots
@@ -184,36 +184,15 @@ using WeighBlockFn = void (*)(const float*, int64_t, int64_t, int64_t, const flo
 constexpr ScoreBlockFn kScoreBlock[4] = {score_block<1>, score_block<2>, score_block<3>, score_block<4>};
 constexpr WeighBlockFn kWeighBlock[4] = {weigh_block<1>, weigh_block<2>, weigh_block<3>, weigh_block<4>};
 
-// The checks of attend's arguments (shapes in the comment of plan_attend, ops.h); returns the mask's data, null
-// where the rows are causal.
-const bool* check_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t lane,
-                         int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from) {
-  const int64_t T = q.size(0), D = cos.size(1);
-  TORCH_CHECK(D > 0 && D % 2 == 0, "attend: the head size must be even");
-  for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
-                    t->size(1) % D == 0 && t->device().is_cpu(),
-                "attend: q, k, v must be fp32 [T, heads * ", D, "] CPU rows with unit inner stride");
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous(),
-                "attend: cos and sin must be contiguous [T, D] fp32");
-  for (const at::Tensor* t : {&k_cache, &v_cache})
-    TORCH_CHECK(t->dim() == 4 && t->size(3) == D && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "attend: the caches must be contiguous fp32 [lanes, kv_heads, max_len, D]");
-  const int64_t KV = k_cache.size(1), L = k_cache.size(2), end = start + T;
-  TORCH_CHECK(k.size(1) == KV * D && v.size(1) == KV * D && v_cache.sizes() == k_cache.sizes(),
-              "attend: k / v rows must hold the cache's ", KV, " heads");
-  TORCH_CHECK(q.size(1) / D % KV == 0, "attend: query heads must be a multiple of key/value heads");
-  TORCH_CHECK(0 <= lane && lane < k_cache.size(0) && 0 <= kv_from && kv_from <= start && end <= L,
-              "attend: lane or slots out of range");
-  if (!mask.has_value()) return nullptr;
-  const int64_t S = end - kv_from;
-  TORCH_CHECK(mask->dim() == 2 && mask->size(0) == T && mask->size(1) == S && mask->scalar_type() == at::kBool &&
-                  mask->is_contiguous(),
-              "attend: mask must be a contiguous bool [T, ", S, "]");
-  return mask->data_ptr<bool>();
+// The caches' checks against one layer's rows: fp32 [lanes, KV, max_len, D] each, k / v rows of KV heads, query
+// heads a multiple of KV, the lane and slots in range.
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const AttendRows& r, int64_t N) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == r.D && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "attend: the caches must be contiguous fp32 [lanes, kv_heads, max_len, ", r.D, "]");
+  TORCH_CHECK(N % k_cache.size(1) == 0, "attend: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(r.lane < k_cache.size(0) && r.start + r.T <= k_cache.size(2), "attend: lane or slots out of range");
 }
 
 // Each row's visible slots of [kv_from, kv_from + S), in slot order: seen[t * S + c] for c < count[t].
@@ -249,8 +228,8 @@ struct Task {
     together = pl.D % W == 0;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t t = (q0 + i) / pl.group, n = g * pl.group + (q0 + i) % pl.group;
-      row[i] = t, head[i] = n, count[i] = pl.count[t], list[i] = pl.seen.get() + t * pl.S;
-      score[i] = pl.scores.get() + (t * pl.N + n) * pl.padded;
+      row[i] = t, head[i] = n, count[i] = pl.count[t], list[i] = pl.seen + t * pl.S;
+      score[i] = pl.scores + (t * pl.N + n) * pl.padded;
       q[i] = pl.pq + (t * pl.N + n) * pl.D;
     }
   }
@@ -378,33 +357,52 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-AttendPlan plan_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
-                       const std::optional<at::Tensor>& mask, int64_t kv_from, double scale, float* po,
+AttendRows attend_rows(const at::Tensor& cos, const at::Tensor& sin, int64_t row0, int64_t T, int64_t lane,
+                       int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from) {
+  const int64_t D = cos.size(-1);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->device().is_cpu(),
+                "attend: cos and sin must be contiguous [rows, D] fp32");
+  TORCH_CHECK(D > 0 && D % 2 == 0, "attend: the head size must be even");
+  TORCH_CHECK(T >= 1 && 0 <= row0 && row0 + T <= cos.size(0) && sin.size(0) == cos.size(0),
+              "attend: rows out of range of cos and sin");
+  TORCH_CHECK(0 <= lane && 0 <= kv_from && kv_from <= start, "attend: lane or slots out of range");
+  AttendRows r;
+  r.T = T, r.D = D, r.S = start + T - kv_from, r.lane = lane, r.start = start, r.kv_from = kv_from;
+  r.cos = cos.data_ptr<float>() + row0 * D, r.sin = sin.data_ptr<float>() + row0 * D;
+  const bool* pm = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == T && mask->size(1) == r.S &&
+                    mask->scalar_type() == at::kBool && mask->is_contiguous(),
+                "attend: mask must be a contiguous bool [T, ", r.S, "]");
+    pm = mask->data_ptr<bool>();
+  }
+  r.seen.resize(T * r.S);
+  r.count.resize(T);
+  list_visible(pm, T, r.S, kv_from, r.seen.data(), r.count.data());
+  return r;
+}
+
+AttendPlan plan_attend(AttendRows& r, const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                       int64_t ldv, int64_t N, at::Tensor& k_cache, at::Tensor& v_cache, double scale, float* po,
                        int64_t min_tasks) {
-  const bool* pm = check_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from);
-  const int64_t T = q.size(0), D = cos.size(1), N = q.size(1) / D, KV = k_cache.size(1), L = k_cache.size(2);
-  const int64_t end = start + T, S = end - kv_from;
-  // RoPE and the cache write (keys roped, values as they are), then the queries roped into a scratch
-  float* kc = k_cache.data_ptr<float>() + lane * KV * L * D;
-  float* vc = v_cache.data_ptr<float>() + lane * KV * L * D;
-  const float* pc = cos.data_ptr<float>();
-  const float* ps = sin.data_ptr<float>();
+  check_caches(k_cache, v_cache, r, N);
+  const int64_t T = r.T, D = r.D, KV = k_cache.size(1), L = k_cache.size(2), S = r.S;
+  // RoPE and the cache write (keys roped, values as they are), then the queries roped into the rows' scratch
+  float* kc = k_cache.data_ptr<float>() + r.lane * KV * L * D;
+  float* vc = v_cache.data_ptr<float>() + r.lane * KV * L * D;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < KV; ++g) {
-      const int64_t slot = (g * L + start + t) * D;
-      rope_row(k.data_ptr<float>() + t * k.stride(0) + g * D, pc + t * D, ps + t * D, kc + slot, D);
-      std::memcpy(vc + slot, v.data_ptr<float>() + t * v.stride(0) + g * D, D * sizeof(float));
+      const int64_t slot = (g * L + r.start + t) * D;
+      rope_row(k + t * ldk + g * D, r.cos + t * D, r.sin + t * D, kc + slot, D);
+      std::memcpy(vc + slot, v + t * ldv + g * D, D * sizeof(float));
     }
-  AttendPlan pl;
-  pl.qr = at::empty({T, N, D}, q.options());
-  float* pq = pl.qr.data_ptr<float>();
+  r.qr.resize(T * N * D);
+  float* pq = r.qr.data();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t n = 0; n < N; ++n)
-      rope_row(q.data_ptr<float>() + t * q.stride(0) + n * D, pc + t * D, ps + t * D, pq + (t * N + n) * D, D);
-  pl.seen.reset(new int32_t[T * S]);
-  pl.count.resize(T);
-  list_visible(pm, T, S, kv_from, pl.seen.get(), pl.count.data());
+      rope_row(q + t * ldq + n * D, r.cos + t * D, r.sin + t * D, pq + (t * N + n) * D, D);
   // A task takes up to 8 queries of one key/value head (the rows x heads of its group) and walks the slots in
   // blocks of kAttnBlock: each block's keys, then its values, are read from memory once for all the task's
   // queries and stay in L1 while they use them. The queries that see the whole block (a committed prefix) go
@@ -414,11 +412,13 @@ AttendPlan plan_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t group = N / KV, padded = (S + W - 1) / W * W, per_g = T * group;
   int64_t per_task = std::min<int64_t>(8, per_g);
   while (per_task > 1 && KV * ((per_g + per_task - 1) / per_task) < min_tasks) per_task = (per_task + 1) / 2;
-  pl.scores.reset(new float[T * N * padded]);
-  pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = kv_from, pl.end = end;
+  r.scores.resize(T * N * padded);
+  AttendPlan pl;
+  pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = r.kv_from, pl.end = r.start + T;
   pl.group = group, pl.padded = padded, pl.per_g = per_g, pl.per_task = per_task;
   pl.tasks_per_g = (per_g + per_task - 1) / per_task;
   pl.sc = static_cast<float>(scale), pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;
+  pl.seen = r.seen.data(), pl.count = r.count.data(), pl.scores = r.scores.data();
   return pl;
 }
 
@@ -457,9 +457,19 @@ void run_plans(const std::vector<AttendPlan>& plans) {
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                   const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
                   const std::optional<at::Tensor>& mask, int64_t kv_from, double scale) {
-  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
+  const int64_t T = q.size(0), D = cos.size(-1);
+  TORCH_CHECK(D > 0 && cos.dim() == 2 && cos.size(0) == T, "attend: cos and sin must be [T, D] for q's T rows");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
+                    t->size(1) % D == 0 && t->device().is_cpu(),
+                "attend: q, k, v must be fp32 [T, heads * ", D, "] CPU rows with unit inner stride");
+  TORCH_CHECK(k.size(1) == v.size(1) && k_cache.dim() == 4 && k.size(1) == k_cache.size(1) * D,
+              "attend: k / v rows must hold the cache's key/value heads");
+  AttendRows rows = attend_rows(cos, sin, 0, T, lane, start, mask, kv_from);
+  at::Tensor out = at::empty({T, q.size(1)}, q.options());
   std::vector<AttendPlan> plans;
-  plans.push_back(plan_attend(q, k, v, cos, sin, k_cache, v_cache, lane, start, mask, kv_from, scale,
+  plans.push_back(plan_attend(rows, q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0),
+                              v.data_ptr<float>(), v.stride(0), q.size(1) / D, k_cache, v_cache, scale,
                               out.data_ptr<float>(), 2 * at::get_num_threads()));
   run_plans(plans);
   return out;

@@ -7,10 +7,12 @@
 // ops that do (the GEMM, attention over each row's own visible slots), so a row's result bits do not depend on how
 // many rows or requests share the call.
 #include <ATen/Parallel.h>
-#include <ATen/TensorOperators.h>  // the residual sums: x + y
+#include <ATen/TensorOperators.h>  // GeGLU's product
 #include <ATen/ops/gelu.h>
 
 #include <algorithm>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -45,41 +47,70 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t n) {
   return narrow_cols(draft_linear(x, w[0], (n + kLanes - 1) / kLanes), n);
 }
 
+namespace {
+
+// One row of rms_norm: the sum of squares in one fixed order (W-lane FMA chains, then the tail in double), then
+// (x * scale) * w.
+inline void rms_norm_row(const float* row, const float* pw, float* out, int64_t D, double eps) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + W <= D; i += W) {
+    const Vec v = vload(row + i);
+    acc = vfma(v, v, acc);
+  }
+  double ss = vsum(acc);
+  for (; i < D; ++i) ss += static_cast<double>(row[i]) * row[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
+  const Vec sv = vset1(scale);
+  i = 0;
+  for (; i + W <= D; i += W) {
+    const Vec v = vload(row + i);
+    Vec t = vfma(v, sv, vzero());
+    vstore(out + i, vfma(t, vload(pw + i), vzero()));
+  }
+  for (; i < D; ++i) out[i] = (row[i] * scale) * pw[i];
+}
+
+void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous 2-D fp32 CPU tensor");
+  TORCH_CHECK(w.dim() == 1 && w.numel() == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(), op,
+              ": w must be a contiguous fp32 vector of ", x.size(1), " values");
+}
+
+}  // namespace
+
 // y = x / sqrt(mean(x^2) + eps) * w for fp32 rows. A decode step runs 61 of these on 576-wide rows; torch's CPU
 // rms_norm is several ops (~12-35 us each call), this is one pass of a few microseconds. Rows are independent and
 // each is summed in one fixed order, so a row's result does not depend on how many rows come with it.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "rms_norm: x must be a contiguous 2-D fp32 CPU tensor");
+  check_norm("rms_norm", x, w);
   const int64_t R = x.size(0), D = x.size(1);
-  TORCH_CHECK(w.dim() == 1 && w.numel() == D && w.scalar_type() == at::kFloat && w.is_contiguous(),
-              "rms_norm: w must be a contiguous fp32 vector of ", D, " values");
   at::Tensor y = at::empty_like(x);
   const float* px = x.data_ptr<float>();
-  const float* pw = w.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = px + r * D;
-    Vec acc = vzero();
-    int64_t i = 0;
-    for (; i + W <= D; i += W) {
-      const Vec v = vload(row + i);
-      acc = vfma(v, v, acc);
-    }
-    double ss = vsum(acc);
-    for (; i < D; ++i) ss += static_cast<double>(row[i]) * row[i];
-    const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
-    const Vec sv = vset1(scale);
-    float* out = py + r * D;
-    i = 0;
-    for (; i + W <= D; i += W) {
-      const Vec v = vload(row + i);
-      Vec t = vfma(v, sv, vzero());
-      vstore(out + i, vfma(t, vload(pw + i), vzero()));
-    }
-    for (; i < D; ++i) out[i] = (row[i] * scale) * pw[i];
-  }
+  for (int64_t r = 0; r < R; ++r) rms_norm_row(px + r * D, w.data_ptr<float>(), py + r * D, D, eps);
   return y;
+}
+
+// The residual sum h = x + a and, where w is given, rms_norm(h, w), in one pass over the rows: x + a as ATen's add
+// forms it (one rounded sum an element), so the pair is bitwise (x + a, rms_norm(x + a, w)).
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& a, const at::Tensor* w,
+                                               double eps) {
+  TORCH_CHECK(a.sizes() == x.sizes() && a.scalar_type() == at::kFloat && a.is_contiguous(),
+              "add_rms_norm: a must be a contiguous fp32 tensor of x's shape");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "add_rms_norm: x must be a contiguous 2-D fp32 tensor");
+  if (w != nullptr) check_norm("add_rms_norm", x, *w);
+  const int64_t R = x.size(0), D = x.size(1);
+  at::Tensor h = at::empty_like(x), y = w != nullptr ? at::empty_like(x) : h;
+  const float* px = x.data_ptr<float>();
+  const float* pa = a.data_ptr<float>();
+  float* ph = h.data_ptr<float>();
+  for (int64_t i = 0; i < R * D; ++i) ph[i] = px[i] + pa[i];
+  if (w != nullptr)
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(ph + r * D, w->data_ptr<float>(), y.data_ptr<float>() + r * D, D, eps);
+  return {h, y};
 }
 
 // gu [R, 2I] (the fused gate / up projection) -> [R, I]. silu(g) = g / (1 + e^-g), computed from e = exp(-|g|) so
@@ -117,17 +148,6 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 namespace {
 
-// One request set's rows as a layer's attention sees them (a global or a sliding-window layer): each request's rows
-// [row0, row0 + t) attend over cache lane ``lanes[i]`` from slot ``kv_from[i]`` under ``masks[i]``, their keys at
-// ``starts[i]``, rotated by cos / sin.
-struct LayerRows {
-  at::IntArrayRef row0, rows, lanes, starts;
-  const c10::List<std::optional<at::Tensor>>& masks;
-  at::IntArrayRef kv_from;
-  const at::Tensor& cos;
-  const at::Tensor& sin;
-};
-
 // One layer's tensors as decoder_layers takes them; a norm the layer lacks is an empty tensor.
 struct LayerWeights {
   at::Tensor ln1, ln2, pre_ff, post_ff, q_norm, k_norm, k_cache, v_cache;
@@ -136,46 +156,50 @@ struct LayerWeights {
 
 constexpr int64_t kLayerNorms = 6;  // ln1, ln2, pre_ff, post_ff, q_norm, k_norm; then the two caches
 
-// What Block.forward does for fp32 rows when the kernels run, as one function: RMSNorm, the fused q/k/v
-// projection, Gemma's q / k head norms, attention per request (plan_attend, run_plans), the output projection and
-// residual (Gemma: the attention output normed first), the MLP's norm, the fused gate/up projection, SiLU(gate) *
-// up or the tanh GELU's, the down projection (Gemma: normed) and residual. The same functions in the same order as
-// the module path (ATen's gelu and product where the modules call them), so the two give bitwise the same rows.
-at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& L, double eps, at::IntArrayRef widths, bool gelu,
-                         const LayerRows& r, double scale) {
-  const size_t P = r.row0.size();
-  const int64_t T = x.size(0), D = r.cos.size(1), KV = L.k_cache.size(1), d = x.size(1);
+// What Block.forward does for fp32 rows when the kernels run, as one function, from the layer's input x and its
+// input norm xn (x itself where the layer has none): the fused q/k/v projection, Gemma's q / k head norms,
+// attention per request (plan_attend over the requests' rows, run_plans), the output projection and residual
+// (Gemma: the attention output normed first), the MLP's norm, the fused gate/up projection, SiLU(gate) * up or the
+// tanh GELU's, and the down projection (Gemma: normed). Returns (h, m): the layer's output is h + m, which the
+// caller sums together with the next layer's input norm. The same functions in the same order as the module path
+// (ATen's gelu and product where the modules call them), so the two give bitwise the same rows.
+std::pair<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const at::Tensor& xn, const LayerWeights& L,
+                                                double eps, at::IntArrayRef widths, bool gelu,
+                                                std::vector<AttendRows>& rows, at::IntArrayRef row0, double scale) {
+  const int64_t T = x.size(0), D = rows[0].D, KV = L.k_cache.size(1), d = x.size(1);
   const int64_t nq = widths[0] - 2 * KV * D, I = widths[2] / 2;
   TORCH_CHECK(nq > 0 && nq % D == 0 && widths[1] == d && widths[3] == d, "decoder_layers: widths do not fit the cache");
-  // no input norm (EAGLE-2's drafter layer): the attention reads x as it is
-  const at::Tensor qkv = project(L.ln1.numel() > 0 ? rms_norm(x, L.ln1, eps) : x, L.qkv, widths[0]);
-  at::Tensor q = qkv.narrow(1, 0, nq), k = qkv.narrow(1, nq, KV * D);
-  const at::Tensor v = qkv.narrow(1, nq + KV * D, KV * D);
+  const at::Tensor qkv = project(xn, L.qkv, widths[0]);
+  const float* pqkv = qkv.data_ptr<float>();
+  const float *q = pqkv, *k = pqkv + nq, *v = pqkv + nq + KV * D;
+  int64_t ldq = qkv.stride(0), ldk = ldq;
+  at::Tensor qn, kn;
   if (L.q_norm.numel() > 0) {  // each head's query and key normed before RoPE
-    q = rms_norm(q.reshape({T * (nq / D), D}).contiguous(), L.q_norm, eps).view({T, nq});
-    k = rms_norm(k.reshape({T * KV, D}).contiguous(), L.k_norm, eps).view({T, KV * D});
+    qn = rms_norm(qkv.narrow(1, 0, nq).reshape({T * (nq / D), D}).contiguous(), L.q_norm, eps);
+    kn = rms_norm(qkv.narrow(1, nq, KV * D).reshape({T * KV, D}).contiguous(), L.k_norm, eps);
+    q = qn.data_ptr<float>(), k = kn.data_ptr<float>(), ldq = nq, ldk = KV * D;
   }
   at::Tensor att = at::empty({T, nq}, x.options());
   // every request's attention planned, then all their tasks in one parallel loop (run_plans)
   std::vector<AttendPlan> plans;
-  plans.reserve(P);
-  const int64_t min_tasks = P == 1 ? 2 * at::get_num_threads() : 1;
+  plans.reserve(rows.size());
+  const int64_t min_tasks = rows.size() == 1 ? 2 * at::get_num_threads() : 1;
   at::Tensor k_cache = L.k_cache, v_cache = L.v_cache;  // handles: plan_attend writes the rows' keys and values
-  for (size_t p = 0; p < P; ++p) {
-    const int64_t r0 = r.row0[p], t = r.rows[p];
-    plans.push_back(plan_attend(q.narrow(0, r0, t), k.narrow(0, r0, t), v.narrow(0, r0, t),
-                                r.cos.narrow(0, r0, t).contiguous(), r.sin.narrow(0, r0, t).contiguous(), k_cache,
-                                v_cache, r.lanes[p], r.starts[p], r.masks.get(p), r.kv_from[p], scale,
-                                att.data_ptr<float>() + r0 * nq, min_tasks));
+  for (size_t p = 0; p < rows.size(); ++p) {
+    const int64_t r0 = row0[p];
+    plans.push_back(plan_attend(rows[p], q + r0 * ldq, ldq, k + r0 * ldk, ldk, v + r0 * qkv.stride(0),
+                                qkv.stride(0), nq / D, k_cache, v_cache, scale, att.data_ptr<float>() + r0 * nq,
+                                min_tasks));
   }
   run_plans(plans);
   const bool sandwich = L.pre_ff.numel() > 0;
   const at::Tensor a = project(att, L.o, d);
-  const at::Tensor h = sandwich ? x + rms_norm(a, L.ln2, eps) : x + a;
-  const at::Tensor gu = project(rms_norm(h, sandwich ? L.pre_ff : L.ln2, eps), L.gate_up, widths[2]);
+  const at::Tensor& ff_norm = sandwich ? L.pre_ff : L.ln2;
+  const auto [h, hn] = add_rms_norm(x, sandwich ? rms_norm(a, L.ln2, eps) : a, &ff_norm, eps);
+  const at::Tensor gu = project(hn, L.gate_up, widths[2]);
   const at::Tensor act = gelu ? at::gelu(gu.narrow(1, 0, I), "tanh") * gu.narrow(1, I, I) : silu_mul(gu);
   const at::Tensor m = project(act, L.down, d);
-  return sandwich ? h + rms_norm(m, L.post_ff, eps) : h + m;
+  return {h, sandwich ? rms_norm(m, L.post_ff, eps) : m};
 }
 
 }  // namespace
@@ -186,7 +210,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& L, double eps,
 // quantized data, scale, min). A layer i with local[i] (Gemma's sliding window) attends with the local rotary,
 // masks and first slots. Returns the inputs of the layers in ``keep`` (EAGLE-3's features), then the last layer's
 // output. What this saves is the Python-level work: a call a layer of ~20 arguments each (~30 us a layer, 1 ms of
-// a 10 ms decode step of the demo target on an AMD EPYC Zen 3), and for Gemma ~25 module-level calls a layer.
+// a 10 ms decode step of the demo target on an AMD EPYC Zen 3), and for Gemma ~25 module-level calls a layer. Each
+// request's rotary rows and visible slots are worked out once a forward (attend_rows), not once a layer, and a
+// residual sum is formed in the pass that norms it for the next layer (add_rms_norm).
 std::vector<at::Tensor> decoder_layers(const at::Tensor& x, at::TensorList layers, int64_t per_weight, double eps,
                                        at::IntArrayRef widths, bool gelu, at::IntArrayRef local, const at::Tensor& cos,
                                        const at::Tensor& sin, const at::Tensor& local_cos,
@@ -207,19 +233,35 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& x, at::TensorList layer
   TORCH_CHECK(rows.size() == P && lanes.size() == P && starts.size() == P && masks.size() == P &&
                   kv_from.size() == P && local_masks.size() == P && local_kv_from.size() == P && P >= 1,
               "decoder_layers: one row0 / rows / lane / start / mask / kv_from per request");
-  const LayerRows global_rows{row0, rows, lanes, starts, masks, kv_from, cos, sin};
-  const LayerRows local_rows{row0, rows, lanes, starts, local_masks, local_kv_from, local_cos, local_sin};
-  std::vector<at::Tensor> out(keep.size() + 1);
-  at::Tensor h = x;
-  for (int64_t i = 0; i < n; ++i) {
-    for (size_t j = 0; j < keep.size(); ++j)
-      if (keep[j] == i) out[j] = h;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layers: x must be fp32 rows");
+  for (size_t p = 0; p < P; ++p)
+    TORCH_CHECK(row0[p] >= 0 && rows[p] >= 1 && row0[p] + rows[p] <= x.size(0),
+                "decoder_layers: a request's rows are out of range of x's ", x.size(0), " rows");
+  std::vector<AttendRows> global_rows, local_rows;
+  const bool any_local = std::any_of(local.begin(), local.end(), [](int64_t f) { return f != 0; });
+  for (size_t p = 0; p < P; ++p) {
+    global_rows.push_back(attend_rows(cos, sin, row0[p], rows[p], lanes[p], starts[p], masks.get(p), kv_from[p]));
+    if (any_local)
+      local_rows.push_back(attend_rows(local_cos, local_sin, row0[p], rows[p], lanes[p], starts[p],
+                                       local_masks.get(p), local_kv_from[p]));
+  }
+  const auto weights = [&](int64_t i) {
     const at::TensorList l = layers.slice(static_cast<size_t>(i * per_layer), static_cast<size_t>(per_layer));
     const auto w = [&](int64_t j) {
       return l.slice(static_cast<size_t>(kLayerNorms + 2 + j * per_weight), static_cast<size_t>(per_weight));
     };
-    const LayerWeights L{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], w(0), w(1), w(2), w(3)};
-    h = decoder_layer(h, L, eps, widths, gelu, local[i] ? local_rows : global_rows, scale);
+    return LayerWeights{l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], w(0), w(1), w(2), w(3)};
+  };
+  std::vector<at::Tensor> out(keep.size() + 1);
+  LayerWeights L = weights(0);
+  at::Tensor h = x.contiguous(), hn = L.ln1.numel() > 0 ? rms_norm(h, L.ln1, eps) : h;
+  for (int64_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < keep.size(); ++j)
+      if (keep[j] == i) out[j] = h;
+    const auto [res, m] = decoder_layer(h, hn, L, eps, widths, gelu, local[i] ? local_rows : global_rows, row0, scale);
+    if (i + 1 < n) L = weights(i + 1);
+    const bool norm_next = i + 1 < n && L.ln1.numel() > 0;
+    std::tie(h, hn) = add_rms_norm(res, m, norm_next ? &L.ln1 : nullptr, eps);
   }
   out.back() = h;
   return out;

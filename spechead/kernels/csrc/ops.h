@@ -47,9 +47,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
                   const std::optional<at::Tensor>& mask, int64_t kv_from, double scale);
 
-// One request's attention once its queries are roped and its keys and values cached (plan_attend): each row's
-// visible slots, the scores' scratch and the split of its queries into tasks; run_task runs one task, so a layer
-// can spread several requests' tasks over the threads in one parallel loop (run_plans).
+// One request's rows as every layer of one kind (global, or Gemma's sliding window) sees them: their rotary rows,
+// each row's visible slots, and the scratch a layer's plan fills (roped queries, scores). decoder_layers makes one
+// per request and kind a forward and every layer's plan reuses it. cos / sin [rows, D] contiguous, the request's
+// rows [row0, row0 + T); mask [T, start + T - kv_from] or none (causal).
+struct AttendRows {
+  int64_t T = 0, D = 0, S = 0, lane = 0, start = 0, kv_from = 0;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  std::vector<int32_t> seen;  // row t's visible slots in slot order: seen[t * S + c] for c < count[t]
+  std::vector<int64_t> count;
+  std::vector<float> qr, scores;
+};
+AttendRows attend_rows(const at::Tensor& cos, const at::Tensor& sin, int64_t row0, int64_t T, int64_t lane,
+                       int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from);
+
+// One request's attention in one layer once its queries are roped and its keys and values cached (plan_attend):
+// the split of its queries into tasks; run_task runs one task, so a layer can spread several requests' tasks over
+// the threads in one parallel loop (run_plans).
 struct AttendPlan {
   int64_t T = 0, S = 0, N = 0, KV = 0, D = 0, L = 0, kv_from = 0, end = 0;
   int64_t group = 0, padded = 0, per_g = 0, per_task = 0, tasks_per_g = 0;
@@ -58,20 +73,18 @@ struct AttendPlan {
   const float* vc = nullptr;
   const float* pq = nullptr;
   float* po = nullptr;
-  at::Tensor qr;
-  std::unique_ptr<int32_t[]> seen;
-  std::vector<int64_t> count;
-  std::unique_ptr<float[]> scores;
+  const int32_t* seen = nullptr;
+  const int64_t* count = nullptr;
+  float* scores = nullptr;
   int64_t tasks() const { return KV * tasks_per_g; }
   void run_task(int64_t task, std::vector<float>& acc) const;
 };
 
-// q [T, N*D], k / v [T, KV*D] (inner stride 1, any row stride), cos / sin [T, D], the caches [lanes, KV, max_len,
-// D]; writes the lane's slots [start, start + T) and plans the rows' attention into po [T, N*D]. min_tasks: the
-// fewest tasks the plan should give (smaller tasks where its queries would give fewer).
-AttendPlan plan_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t lane, int64_t start,
-                       const std::optional<at::Tensor>& mask, int64_t kv_from, double scale, float* po,
+// q [T, N*D] at row stride ldq, k / v [T, KV*D] at row strides ldk / ldv, the caches [lanes, KV, max_len, D]: RoPE, the
+// keys and values written at the lane's slots [start, start + T), and the rows' attention planned into po
+// [T, N*D]. min_tasks: the fewest tasks the plan should give (smaller tasks where its queries would give fewer).
+AttendPlan plan_attend(AttendRows& rows, const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                       int64_t ldv, int64_t N, at::Tensor& k_cache, at::Tensor& v_cache, double scale, float* po,
                        int64_t min_tasks);
 void run_plans(const std::vector<AttendPlan>& plans);
 
