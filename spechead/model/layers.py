@@ -295,11 +295,15 @@ class Attention(nn.Module):
             raise RuntimeError("attention without a cache cannot continue from a prefix")
         if seg.kv_from:
             k, v = k[:, :, seg.kv_from :], v[:, :, seg.kv_from :]
-        mask = seg.mask
+        mask, causal = seg.mask, False
         if mask is None and seg.t > 1:
-            mask = causal_mask(seg.t, k.shape[2], q.device)
-        gqa = self.n_kv != self.n_heads
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
+            # a prompt from slot 0: SDPA's own causal form, which skips the blocks above the diagonal (1.15-1.5x
+            # faster at 300-600 rows, the same values); a continuation needs the mask aligned to its last rows
+            causal = k.shape[2] == seg.t
+            mask = None if causal else causal_mask(seg.t, k.shape[2], q.device)
+        gqa, scale = self.n_kv != self.n_heads, self.scale
+        q = q.unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
         return out[0].transpose(0, 1).reshape(seg.t, -1)
 
 
