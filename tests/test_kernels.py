@@ -83,6 +83,23 @@ def test_host_isas_and_forcing_a_narrower_one(monkeypatch):
     assert kernels.active_isa() is None and "SPECHEAD_KERNELS=0" in kernels.unavailable_reason()
 
 
+def test_using_swaps_the_active_build_for_a_block():
+    """kernels.using(lib): ops() is lib inside the block (the library's layers call that build), the active build
+    again after it, an exception included (what benchmarks/kernel_ab.py relies on)."""
+    try:
+        generic = kernels.library("generic")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    before = kernels.ops() if kernels.available() else None
+    x, w = torch.randn(3, 64), torch.randn(40, 64)
+    with pytest.raises(KeyError), kernels.using(generic):
+        assert kernels.ops() is generic
+        y = kernels.ops().draft_linear(x, BlockedWeight(w).data, 3)[:, :40]
+        torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+        raise KeyError
+    assert kernels._state["ops"] is before
+
+
 @ISAS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(37, 64), (160, 576), (48, 4096), (21, 2)])

@@ -27,10 +27,12 @@ torch version). Design and measurements: docs/heads.md, "CPU kernels".
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +97,13 @@ def _flags(isa: str, native: bool = True) -> list[str]:
     return flags if native else [f for f in flags if f != _NATIVE]
 
 
-def _build_dir(isa: str, native: bool = True) -> Path:
+def _build_dir(isa: str, native: bool = True, sources: Sources = SOURCE, name: str = "") -> Path:
     flags = _flags(isa, native)
     host = _host_fingerprint() if _NATIVE in flags else b""
-    tag = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + host)
+    tag = hashlib.sha1(sources.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + host)
     tag = tag.hexdigest()[:12]
     root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
-    path = root / "kernels" / f"{isa}-{tag}"
+    path = root / "kernels" / f"{name + '-' if name else ''}{isa}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -122,18 +124,42 @@ def library(isa: str) -> Any:
     return lib
 
 
-def _build(isa: str) -> Any:
-    name = f"spechead_{isa}"
+def library_from(folder: Path, name: str, isa: str | None = None) -> Any:
+    """The ops of another copy of the sources (``folder``: a ``csrc`` of another revision), built for ``isa``
+    (default: the active build's) under the namespace ``torch.ops.<name>``, to time a kernel change against
+    them in one process (``benchmarks/kernel_ab.py``). Their schemas must be the ones this checkout calls."""
+    isa = isa or active_isa() or "generic"
+    lib = _build(isa, Sources(Path(folder)), name)
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib
+
+
+@contextlib.contextmanager
+def using(lib: Any) -> Iterator[None]:
+    """Within the block, ``ops()`` is ``lib`` (a ``library`` or ``library_from`` build)."""
+    active_isa()
+    saved = _state["ops"]
+    _state["ops"] = lib
+    try:
+        yield
+    finally:
+        _state["ops"] = saved
+
+
+def _build(isa: str, sources: Sources = SOURCE, name: str = "") -> Any:
+    tag = name
+    name = name or f"spechead_{isa}"
     try:
         from torch.utils.cpp_extension import load
 
         def compile_(native: bool) -> None:
             load(
                 name=f"{name}_kernels",
-                sources=[str(p) for p in SOURCE.compiled()],
+                sources=[str(p) for p in sources.compiled()],
                 extra_cflags=[*_flags(isa, native), f"-DSPECHEAD_NS={name}"],
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir(isa, native)),
+                build_directory=str(_build_dir(isa, native, sources, tag)),
                 is_python_module=False,
             )
 
