@@ -137,8 +137,10 @@ def library_from(folder: Path, name: str, isa: str | None = None) -> Any:
 
 @contextlib.contextmanager
 def using(lib: Any) -> Iterator[None]:
-    """Within the block, ``ops()`` is ``lib`` (a ``library`` or ``library_from`` build)."""
-    active_isa()
+    """Within the block, ``ops()`` is ``lib`` (a ``library`` or ``library_from`` build) in place of the active
+    build; where the kernels are off there is none to stand in for, and the library's layers do not call them."""
+    if not available():
+        raise RuntimeError(f"spechead kernels unavailable: {unavailable_reason()}")
     saved = _state["ops"]
     _state["ops"] = lib
     try:
