@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spechead.cache import cache_dir
+
 LANES = 16  # outputs per block of the layout: 64 bytes of fp32
 
 
@@ -102,8 +104,7 @@ def _build_dir(isa: str, native: bool = True, sources: Sources = SOURCE, name: s
     host = _host_fingerprint() if _NATIVE in flags else b""
     tag = hashlib.sha1(sources.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + host)
     tag = tag.hexdigest()[:12]
-    root = Path(os.environ.get("SPECHEAD_CACHE", Path.home() / ".cache" / "spechead"))
-    path = root / "kernels" / f"{name + '-' if name else ''}{isa}-{tag}"
+    path = cache_dir() / "kernels" / f"{name + '-' if name else ''}{isa}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

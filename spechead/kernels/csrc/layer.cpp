@@ -71,11 +71,13 @@ inline void rms_norm_row(const float* row, const float* pw, float* out, int64_t 
   for (; i < D; ++i) out[i] = (row[i] * scale) * pw[i];
 }
 
-void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
+// x: contiguous 2-D fp32 rows; w (where given): a contiguous fp32 vector of x's width
+void check_norm(const char* op, const at::Tensor& x, const at::Tensor* w) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
               ": x must be a contiguous 2-D fp32 CPU tensor");
-  TORCH_CHECK(w.dim() == 1 && w.numel() == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(), op,
-              ": w must be a contiguous fp32 vector of ", x.size(1), " values");
+  if (w != nullptr)
+    TORCH_CHECK(w->dim() == 1 && w->numel() == x.size(1) && w->scalar_type() == at::kFloat && w->is_contiguous(),
+                op, ": w must be a contiguous fp32 vector of ", x.size(1), " values");
 }
 
 }  // namespace
@@ -84,7 +86,7 @@ void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
 // rms_norm is several ops (~12-35 us each call), this is one pass of a few microseconds. Rows are independent and
 // each is summed in one fixed order, so a row's result does not depend on how many rows come with it.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_norm("rms_norm", x, w);
+  check_norm("rms_norm", x, &w);
   const int64_t R = x.size(0), D = x.size(1);
   at::Tensor y = at::empty_like(x);
   const float* px = x.data_ptr<float>();
@@ -97,11 +99,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // forms it (one rounded sum an element), so the pair is bitwise (x + a, rms_norm(x + a, w)).
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& a, const at::Tensor* w,
                                                double eps) {
+  check_norm("add_rms_norm", x, w);
   TORCH_CHECK(a.sizes() == x.sizes() && a.scalar_type() == at::kFloat && a.is_contiguous(),
               "add_rms_norm: a must be a contiguous fp32 tensor of x's shape");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "add_rms_norm: x must be a contiguous 2-D fp32 tensor");
-  if (w != nullptr) check_norm("add_rms_norm", x, *w);
   const int64_t R = x.size(0), D = x.size(1);
   at::Tensor h = at::empty_like(x), y = w != nullptr ? at::empty_like(x) : h;
   const float* px = x.data_ptr<float>();
