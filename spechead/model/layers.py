@@ -297,8 +297,8 @@ class Attention(nn.Module):
             k, v = k[:, :, seg.kv_from :], v[:, :, seg.kv_from :]
         mask, causal = seg.mask, False
         if mask is None and seg.t > 1:
-            # a prompt from slot 0: SDPA's own causal form, which skips the blocks above the diagonal (1.15-1.5x
-            # faster at 300-600 rows, the same values); a continuation needs the mask aligned to its last rows
+            # a prompt from slot 0: SDPA's own causal form, which skips the blocks above the diagonal and gives
+            # the mask's values; a continuation needs the mask aligned to its last rows
             causal = k.shape[2] == seg.t
             mask = None if causal else causal_mask(seg.t, k.shape[2], q.device)
         gqa, scale = self.n_kv != self.n_heads, self.scale
