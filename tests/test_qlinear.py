@@ -113,6 +113,38 @@ def test_every_path_and_thread_count_gives_the_same_bits(fmt):
         torch.set_num_threads(threads)
 
 
+def test_activation_blocks_quantize_alike_on_every_path():
+    """The activations' quantization (vector where the build has it, scalar otherwise) at its edges: an all-zero
+    block, scaled values exactly halfway between two integers, magnitudes near fp32's ends. Every path and thread
+    count gives the same bits, and a halfway value rounds to even."""
+    isas = _runnable()
+    if not isas:
+        pytest.skip("kernels off")
+    _, w = weight("q8", n=32, k=128)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(2))
+    x[0, :32] = 0.0
+    x[1, :32] = (torch.arange(32) - 15.5) / 15.5  # amax 1: every value times 127 lies between two integers
+    x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, 4.5, 5.5, 6.5, 7.5] * 4)  # amax 127: x * 1 is x, halfway
+    x[3] *= 1e-30
+    x[4] *= 1e30
+    first = call(isas[0], w, x)
+    for isa in isas:
+        assert torch.equal(call(isa, w, x), first), isa
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(call(isas[-1], w, x), first)
+    finally:
+        torch.set_num_threads(threads)
+    # a weight of ones reads back each block's quantized sum times its scale: row 2's first block rounds to
+    # [127, 0, 2, 2, 4, 6, 6, 8] (half to even: 155 a quarter, where half away from zero gives 159)
+    ones = QuantWeight.pack(QuantBlocks(torch.ones(16, 128, dtype=torch.int8), torch.ones(16, 4), None, "q8"))
+    rest = x[2, 32:].view(-1, 32)
+    amax = rest.abs().amax(-1, keepdim=True)
+    want = 4 * 155.0 + float((torch.round(rest * (127.0 / amax)) * (amax / 127.0)).sum())
+    assert call(isas[0], ones, x[2:3])[0, 0].item() == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_tensor_reference_keeps_rows_independent(fmt):
     """Without a kernel build the same arithmetic runs as tensor ops: rows still independent of each other, and

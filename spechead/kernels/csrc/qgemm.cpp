@@ -9,8 +9,8 @@
 // The contract, tested for every path the CPU runs (tests/test_qlinear.py): a row's result bits depend on that row
 // and the weight alone, not on how many rows share the call, not on the instruction set, not on the thread count.
 // It holds by construction:
-//   1. each activation row is quantized alone, per 32-value block: amax, d = amax / 127, q = nearest-even(x * 127 /
-//      amax) (quantize_rows, one scalar implementation for every path), with the block's int32 sum s and d * s;
+//   1. each activation row is quantized alone, per 32-value block: amax, d = amax / 127, q = nearest-even(x * (127 /
+//      amax)), the block's int32 sum s and d * s (quantize_block: its vector and scalar forms give the same bits);
 //   2. a block's dot product is exact in int32 on every path (q4: u4 x s8 pairs never saturate vpmaddubsw's int16,
 //      2 * 15 * 127; q8: |w| x sign(a, w) at most 2 * 128 * 127; vpdpbusd accumulates in int32, q8 weights biased
 //      by 128 and the bias removed exactly as 128 * s);
@@ -61,6 +61,45 @@ struct QRows {
   std::vector<int32_t> s;
 };
 
+// One 32-value block of a row: amax, d = amax / 127, q = nearest-even(x * (127 / amax)), its int32 sum s and d * s.
+// The vector form gives the scalar form's bits: a maximum is exact in any order (and, like std::max with the
+// running value first, passes over NaN), x * id is one IEEE product a lane, vroundps rounds to nearest-even as
+// nearbyint does, and an integer sum is exact in any order.
+inline void quantize_block(const float* v, int8_t* q, float& d, int32_t& s) {
+#if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(v + 8 * i), m = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i)
+    n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(x[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int8 (|n| <= 127: no saturation), the packs' 128-bit lane interleave undone by the permute
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+  s = _mm_cvtsi128_si32(u);
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+  d = amax / 127.0f;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  s = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));  // |x * id| <= 127 up to one rounding: it fits
+    s += q[i];
+  }
+#endif
+}
+
 QRows quantize_rows(const float* x, int64_t M, int64_t K) {
   QRows a;
   a.M = M, a.K = K, a.KB = K / kBlock;
@@ -69,24 +108,13 @@ QRows quantize_rows(const float* x, int64_t M, int64_t K) {
   a.ds.resize(a.d.size());
   a.s.resize(a.d.size());
   // rows apart on the threads where there are enough of them (a prefill's hundreds): each row alone, as ever
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < a.KB; ++b) {
-        const float* v = x + r * K + b * kBlock;
-        float amax = 0.0f;
-        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t* q = a.q.data() + r * K + b * kBlock;
-        int32_t s = 0;
-        for (int i = 0; i < kBlock; ++i) {
-          const float t = v[i] * id;  // |t| <= 127 up to one rounding, so the integer fits
-          q[i] = static_cast<int8_t>(std::nearbyint(t));
-          s += q[i];
-        }
         const int64_t j = r * a.KB + b;
-        a.d[j] = d, a.s[j] = s, a.ds[j] = d * static_cast<float>(s);
+        quantize_block(x + r * K + b * kBlock, a.q.data() + r * K + b * kBlock, a.d[j], a.s[j]);
+        a.ds[j] = a.d[j] * static_cast<float>(a.s[j]);
       }
-    }
   });
   return a;
 }
