@@ -2,10 +2,10 @@
 on the kernel build this process uses (run it once per build with SPECHEAD_ISA=avx512|avx2|generic).
 
 The floor: a decode step reads every weight once (537 MB in fp32 for SmolLM2-135M, 112 MB of packed blocks at
-gguf: ``--dtype``), so it cannot beat
-bytes / read bandwidth, the bandwidth measured here as the median of a sum over 256 MB (the same
-measurement the benchmark's step figures use). Steps run at 600 tokens of context, under a tree mask for
-verification as in the engine; medians of --repeats after two warm-ups, the bandwidth sampled between steps.
+gguf: ``--dtype``) and every visible key and value of every layer once (fp32: 27.6 MB at 600 tokens for
+SmolLM2-135M), so it cannot beat bytes / read bandwidth, the bandwidth measured here as the median of a sum over
+256 MB (the same measurement the benchmark's step figures use). Steps run at 600 tokens of context, under a tree
+mask for verification as in the engine; medians of --repeats after two warm-ups, the bandwidth sampled between steps.
 Prints the JSON it writes: ``ms`` per row count, ``step_x_floor`` and ``x_decode_step``.
 
     SPECHEAD_ISA=avx512 .venv/bin/python benchmarks/step_cost.py --threads 2 --out runs/step_avx512.json
@@ -54,6 +54,8 @@ tensors = {
     if ("embed_tokens" not in n or model.config.tie_word_embeddings) and "cache" not in n and "rotary" not in n
 }
 weights = sum(t.numel() * t.element_size() for t in tensors.values())
+cfg = model.config
+kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * ctx  # fp32 keys and values
 ids = torch.randint(0, 40000, (ctx + max(rows),), generator=torch.Generator().manual_seed(0))
 ms: dict[int, float] = {}
 bw: list[float] = []
@@ -73,7 +75,7 @@ with torch.inference_mode():
                 times.append(time.perf_counter() - t0)
         ms[t] = round(1000 * statistics.median(times), 2)
 gbps = statistics.median(bw)
-floor_ms = weights / gbps / 1e6
+floor_ms = (weights + kv_bytes) / gbps / 1e6
 result = {
     "command": "python benchmarks/step_cost.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
     "machine": machine_facts(args.threads),
@@ -82,6 +84,7 @@ result = {
     "dtype": model.precision,
     "context_tokens": ctx,
     "weights_MB": round(weights / 1e6, 1),
+    "kv_MB": round(kv_bytes / 1e6, 1),
     "read_GBps": round(gbps, 2),
     "floor_ms": round(floor_ms, 2),
     "ms": ms,
