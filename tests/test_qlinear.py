@@ -101,14 +101,18 @@ def test_every_path_and_thread_count_gives_the_same_bits(fmt):
     if not isas:
         pytest.skip("kernels off")
     _, w = weight(fmt, n=200, k=640)
-    x = torch.randn(17, 640)
+    assert_same_bits_everywhere(isas, w, torch.randn(17, 640))
+
+
+def assert_same_bits_everywhere(isas: list[str], w: QuantWeight, x: torch.Tensor) -> None:
+    """Every path the CPU runs gives the first path's bits, at the current thread count and at one thread."""
     first = call(isas[0], w, x)
-    for isa in isas:
-        assert torch.equal(call(isa, w, x), first), isa
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(call(isas[0], w, x), first)
+        for n in (threads, 1):
+            torch.set_num_threads(n)
+            for isa in isas:
+                assert torch.equal(call(isa, w, x), first), (isa, n)
     finally:
         torch.set_num_threads(threads)
 
@@ -127,15 +131,7 @@ def test_activation_blocks_quantize_alike_on_every_path():
     x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, 4.5, 5.5, 6.5, 7.5] * 4)  # amax 127: x * 1 is x, halfway
     x[3] *= 1e-30
     x[4] *= 1e30
-    first = call(isas[0], w, x)
-    for isa in isas:
-        assert torch.equal(call(isa, w, x), first), isa
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(call(isas[-1], w, x), first)
-    finally:
-        torch.set_num_threads(threads)
+    assert_same_bits_everywhere(isas, w, x)
     # a weight of ones reads back each block's quantized sum times its scale: row 2's first block rounds to
     # [127, 0, 2, 2, 4, 6, 6, 8] (half to even: 155 a quarter, where half away from zero gives 159)
     ones = QuantWeight.pack(QuantBlocks(torch.ones(16, 128, dtype=torch.int8), torch.ones(16, 4), None, "q8"))
