@@ -75,13 +75,20 @@ def test_tree_mask_forward_matches_separate_branches(tiny_target):
     assert torch.allclose(both[2:], ref_b, atol=1e-5)
 
 
-def test_cache_move_compacts_slots(tiny_target):
+def test_cache_move_compacts_slots_in_every_layer(tiny_target):
+    """An accepted path's slots move to the front of its range in every layer's keys and values, on its lane only."""
     t = tiny_target
-    t.setup_cache(32)
-    cache = t.model.layers[0].self_attn.cache
-    cache.k[0, :, :8] = torch.arange(8.0)[None, :, None]
-    t.move_cache(torch.tensor([3, 5, 7]), 3)
-    assert cache.k[0, 0, 3:6, 0].tolist() == [3.0, 5.0, 7.0]
+    t.setup_cache(32, lanes=2)
+    caches = [layer.self_attn.cache for layer in t.model.layers]
+    for i, cache in enumerate(caches):
+        for lane in range(2):
+            cache.k[lane, :, :8] = torch.arange(8.0)[None, :, None] + 100 * i + 10 * lane
+            cache.v[lane, :, :8] = -cache.k[lane, :, :8]
+    t.move_cache(torch.tensor([3, 5, 7]), 3, lane=1)
+    for i, cache in enumerate(caches):
+        moved = [100.0 * i + 10 + s for s in (0, 1, 2, 3, 5, 7, 6, 7)]
+        assert cache.k[1, -1, :8, -1].tolist() == moved and cache.v[1, 0, :8, 0].tolist() == [-m for m in moved]
+        assert cache.k[0, 0, :8, 0].tolist() == [100.0 * i + s for s in range(8)]
 
 
 def test_causal_mask_offsets():

@@ -143,15 +143,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class KVCache(nn.Module):
     """Preallocated per-layer key/value buffers [lanes, kv_heads, max_len, head_dim], addressed by slot; one lane
-    per request decoded at once (a batch-1 decoder has one)."""
+    per request decoded at once (a batch-1 decoder has one). ``storage``: the [2, lanes, kv_heads, max_len,
+    head_dim] part of a buffer shared by a model's layers (``Transformer.setup_cache``) to hold them in."""
 
     def __init__(
-        self, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, lanes: int = 1
+        self,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        lanes: int = 1,
+        storage: Tensor | None = None,
     ) -> None:
         super().__init__()
-        shape = (lanes, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (2, lanes, kv_heads, max_len, head_dim)
+        if storage is None:
+            storage = torch.zeros(shape, dtype=dtype, device=device)
+        elif storage.shape != shape or not storage.is_contiguous():
+            raise ValueError(f"a KV cache's storage must be a contiguous {list(shape)} tensor")
+        self.register_buffer("k", storage[0], persistent=False)
+        self.register_buffer("v", storage[1], persistent=False)
 
     @property
     def lanes(self) -> int:
@@ -164,13 +176,6 @@ class KVCache(nn.Module):
         self.k[lane : lane + 1, :, start:end] = k
         self.v[lane : lane + 1, :, start:end] = v
         return self.k[lane : lane + 1, :, :end], self.v[lane : lane + 1, :, :end]
-
-    def move(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
-        """Copy slots ``src_slots`` (in order) of ``lane`` to its contiguous range starting at ``dst_start``."""
-        n = src_slots.numel()
-        k, v = self.k[lane : lane + 1], self.v[lane : lane + 1]
-        k[:, :, dst_start : dst_start + n] = k.index_select(2, src_slots)
-        v[:, :, dst_start : dst_start + n] = v.index_select(2, src_slots)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class Transformer(nn.Module):
         self.max_len, self.lanes = 0, 0
         self.precision = "fp32"  # what its projections compute in: fp32, bf16 (float weights), gguf, q8, q4
         self._fused: tuple | None = None  # decoder_layers' weight arguments, built at the first forward
+        self._kv: Tensor | None = None  # [layers, 2, lanes, kv_heads, max_len, head_dim]: every layer's cache
 
     def setup_cache(self, max_len: int, lanes: int = 1) -> None:
         """Allocate the KV cache (and RoPE tables) for ``lanes`` sequences of up to ``max_len`` tokens each (one
@@ -86,8 +87,11 @@ class Transformer(nn.Module):
             theta, scaling = cfg.rope_local_theta, cfg.rope_local_scaling
             self.local_rotary = Rotary(cfg.head_dim, max_len, theta, scaling).to(p.device)
         kv = (max_len, cfg.num_key_value_heads, cfg.head_dim, p.dtype, p.device, self.lanes)
-        for layer in self.model.layers:
-            layer.self_attn.cache = KVCache(*kv)
+        # every layer's keys and values in one buffer, so that move_cache moves an accepted path in one copy
+        shape = (len(self.model.layers), 2, self.lanes, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self._kv = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.cache = KVCache(*kv, storage=self._kv[i])
 
     def fuse(self) -> Transformer:
         """Fuse projections (and fold Gemma's 1 + w norms) for inference: the state dict no longer matches the
@@ -139,8 +143,11 @@ class Transformer(nn.Module):
         return fused_args(self.model.layers, self._fused, x, segments, rope, local_segments, local_rope)
 
     def move_cache(self, src_slots: Tensor, dst_start: int, lane: int = 0) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.cache.move(src_slots, dst_start, lane)
+        """Copy slots ``src_slots`` (in order) of ``lane`` to its range from ``dst_start``, in every layer at once
+        (one gather and one copy, where a layer at a time took ~1 ms of a demo round on an AMD EPYC Zen 3)."""
+        n = src_slots.numel()
+        lane_kv = self._kv[:, :, lane]  # [layers, 2, kv_heads, max_len, head_dim]
+        lane_kv[:, :, :, dst_start : dst_start + n] = lane_kv.index_select(3, src_slots)
 
     def forward(
         self,
