@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 from spechead import kernels
 from spechead.decoding.decoder import Decoder
-from spechead.decoding.sampling import SamplingConfig, target_probs
+from spechead.decoding.sampling import SamplingConfig, greedy, target_probs
 from spechead.decoding.tree import TreeConfig
 from spechead.errors import SpecheadError
 from spechead.heads.full import FullHead
@@ -202,6 +202,22 @@ def chi2_pvalue(samples, law, positions):
     o = [obs.get(k, 0) for k in big] + [n - sum(obs.get(k, 0) for k in big)]
     e = [exp[k] * n for k in big] + [n - sum(exp[k] * n for k in big)]
     return chisquare(o, e).pvalue
+
+
+@pytest.mark.paths
+def test_greedy_is_argmax_with_the_lowest_index_among_ties():
+    """The target's greedy token (the kernels' one-pass top-1 where they run): argmax's row by row, vocabulary-wide
+    rows and a row of one, the lowest index where maxima tie, a 1-D row as one."""
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 7, 49152, 262144):
+        x = torch.randn(5, V, generator=g)
+        assert greedy(x) == x.argmax(-1).tolist() and greedy(x[3]) == [int(x[3].argmax())]
+    x = torch.zeros(3, 1000)
+    x[0, [5, 700]] = 2.0  # a tie: the first
+    x[1, 999] = 1.0
+    x[2] = -torch.inf  # every value -inf: the first
+    assert greedy(x) == [5, 999, 0] == x.argmax(-1).tolist()
+    assert greedy(x[:, ::2]) == x[:, ::2].argmax(-1).tolist()  # a strided view
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from spechead import kernels
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -104,9 +106,19 @@ def make_draws(cfg: SamplingConfig) -> Draws | None:
     return Draws(cfg.seed if cfg.seed is not None else secrets.randbits(63), cfg)  # (torch.seed() reseeds torch's RNG)
 
 
+def greedy(logits: Tensor) -> list[int]:
+    """Each row's argmax, the lowest index among equal maxima. Where spechead's kernels run, their one-pass top-1
+    (``row_topk``): 8 us against ``Tensor.argmax``'s 56 for the demo's 49,152 logits, 27 against 263 for Gemma 3's
+    262,144 (AMD EPYC Zen 3, 2 threads). The two agree on every row without NaN (the kernel ranks NaN lowest)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if kernels.row_topk_supported(rows, 1):
+        return kernels.row_topk(rows.contiguous(), 1)[1][:, 0].tolist()
+    return rows.argmax(-1).tolist()
+
+
 def choose(logits: Tensor, draws: Draws | None, position: int) -> int:
     """The target's token at ``position`` from one row of logits: its argmax, or its sampled token there."""
-    return int(logits.argmax()) if draws is None else draws.token(logits, position)
+    return greedy(logits)[0] if draws is None else draws.token(logits, position)
 
 
 def accept(
@@ -118,7 +130,7 @@ def accept(
     children: list[list[int]] = [[] for _ in tokens]
     for node, par in enumerate(parents[1:], start=1):
         children[par].append(node)
-    argmax = logits.argmax(-1).tolist() if draws is None else []  # one pass over every row, greedy
+    argmax = greedy(logits) if draws is None else []  # one pass over every row, greedy
     node, path = 0, [0]
     while True:
         tok = argmax[node] if draws is None else draws.token(logits[node], first + len(path) - 1)

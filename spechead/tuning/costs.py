@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spechead.decoding.sampling import greedy
 from spechead.errors import SpecheadError
 
 MAX_ROWS = 16  # the largest verification the tuner considers
@@ -86,9 +87,9 @@ def _target_costs(target, x: Tensor, want_aux: bool, tick) -> tuple[float, dict[
         toks = _cycle(x, n)
         mask = _seen(n, p, torch.ones(n, n, dtype=torch.bool, device=dev).tril())  # a chain: its ancestors
         pos = torch.arange(p, p + n, device=dev)
-        return lambda: target(toks, p, positions=pos, mask=mask, want_aux=want_aux).logits.argmax(-1)
+        return lambda: greedy(target(toks, p, positions=pos, mask=mask, want_aux=want_aux).logits)
 
-    step = lambda: target(x[-1:], p).logits.argmax(-1)  # noqa: E731
+    step = lambda: greedy(target(x[-1:], p).logits)  # noqa: E731
     # the step and the 16 verifications in turn, sweep after sweep, so that a shared host's drift falls on all
     # alike (timed one size after the other, a fast second can make several rows look cheaper than the step, and
     # the tuner pick too deep a tree)
