@@ -54,8 +54,8 @@ tensors = {
     if ("embed_tokens" not in n or model.config.tie_word_embeddings) and "cache" not in n and "rotary" not in n
 }
 weights = sum(t.numel() * t.element_size() for t in tensors.values())
-cfg = model.config
-kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * ctx  # fp32 keys and values
+caches = [layer.self_attn.cache for layer in model.model.layers]  # the keys and values of ctx slots, lane 0
+kv_bytes = sum(2 * c.k[0, :, :ctx].numel() * c.k.element_size() for c in caches)
 ids = torch.randint(0, 40000, (ctx + max(rows),), generator=torch.Generator().manual_seed(0))
 ms: dict[int, float] = {}
 bw: list[float] = []

@@ -40,7 +40,7 @@ class TokenizerFile:
 
         self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.name_or_path = str(folder)
-        self.special = {k: _token_text(config.get(k)) for k in self.SPECIAL if _token_text(config.get(k))}
+        self.special = {k: t for k in self.SPECIAL if (t := _token_text(config.get(k)))}
         template_file = folder / "chat_template.jinja"
         self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = _compile_template(self.chat_template) if self.chat_template else None
