@@ -109,6 +109,31 @@ def test_json_keeps_first_version_keys_and_adds_the_new_ones():
     assert json.loads(json.dumps(out, allow_nan=True))  # serialisable
 
 
+def test_repeats_interleave_the_methods_and_keep_each_prompts_median_pass():
+    """Every pass runs each method once per prompt, the methods in turn; a method's run of a prompt is its median
+    pass by wall time, not the first or the fastest."""
+    order = []
+
+    class Timed(Scripted):
+        def __init__(self, name, walls):
+            super().__init__([5, 6], 0.0, [1])
+            self.name, self.walls = name, iter(walls)
+
+        def __call__(self, ids, max_new, sampling):
+            order.append(self.name)
+            self.wall = next(self.walls)
+            return super().__call__(ids, max_new, sampling)
+
+    prompts = [{"id": 1, "category": "qa", "turns": ["a?"]}, {"id": 2, "category": "qa", "turns": ["bb?"]}]
+    runners = {"ar": Timed("ar", [3.0, 1.0, 2.0, 0.5, 0.7, 0.6]), "eagle": Timed("eagle", [1.0, 5.0, 4.0] * 2)}
+    results = bench_loop(runners, prompts, encode, decode, 8, SamplingConfig(), progress=False, warmup=0, repeats=3)
+    assert order == ["ar", "eagle"] * 6
+    assert [r.wall_s for r in results["runs"]["ar"]] == [2.0, 0.6]
+    assert [r.wall_s for r in results["runs"]["eagle"]] == [4.0, 4.0]
+    with pytest.raises(ValueError, match="at least 1"):
+        bench_loop(runners, prompts, encode, decode, 8, SamplingConfig(), progress=False, warmup=0, repeats=0)
+
+
 def test_mt_prompts_run_both_turns_with_the_models_own_answer():
     runner = Scripted([11, 12], 1.0, [1])
     run = run_prompt(runner, PROMPTS[0], encode, decode, 8, SamplingConfig())

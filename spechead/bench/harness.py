@@ -59,12 +59,14 @@ def run_bench(
     drafters: dict[str, str] | None = None,
     heads_json: Path | None = None,
     guard: bool = True,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """``guard``: speculative methods run with the engine's never-slower-than-AR guard, as users get them
-    (their AR steps are left out of the per-round times the speedup model uses). ``tree``: a TreeConfig
-    or spec for every method without its own ``@tree``, None for DEFAULT_TREE, or ``auto``: each (drafter,
-    head)'s tuning, resolved once (``config.trees`` and each method's ``tree_spec`` say which tree it ran).
-    ``heads_json``: a ``spechead bench-heads`` JSON for the 8B projection (none without it)."""
+    """``repeats``: timed passes of every prompt per method (``bench_loop``). ``guard``: speculative methods run
+    with the engine's never-slower-than-AR guard, as users get them (their AR steps are left out of the per-round
+    times the speedup model uses). ``tree``: a TreeConfig or spec for every method without its own ``@tree``, None
+    for DEFAULT_TREE, or ``auto``: each (drafter, head)'s tuning, resolved once (``config.trees`` and each method's
+    ``tree_spec`` say which tree it ran). ``heads_json``: a ``spechead bench-heads`` JSON for the 8B projection
+    (none without it)."""
     from spechead.decoding.session import DEFAULT_TREE
 
     sampling = sampling or SamplingConfig()
@@ -79,7 +81,9 @@ def run_bench(
     specs = [s for s in specs if s.name in runners]
     if not specs:
         raise SpecheadError("no method could be built: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    results = bench_loop(runners, prompts, session.encode, session.decode, max_new_tokens, sampling, progress, warmup)
+    results = bench_loop(
+        runners, prompts, session.encode, session.decode, max_new_tokens, sampling, progress, warmup, repeats
+    )
     spec_trees = [s.tree for s in specs if s.kind == "spec"]
     full_tree = next((s.tree for s in specs if s.kind == "spec" and s.head == "full"), None)
     # under auto, the report's round (the 8B projection) is the full head's tuned tree, else the first method's
@@ -94,6 +98,7 @@ def run_bench(
             "drafter": drafter_spec,
             "drafters": _by_drafter(specs, info),
             "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
             "skipped": skipped,
         }
     )
@@ -120,9 +125,14 @@ def bench_loop(
     sampling: SamplingConfig,
     progress: bool = True,
     warmup: int = 1,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Warm-up, then for every prompt every method in turn (interleaved, so machine drift hits all
-    alike). A Ctrl-C keeps what finished: the prompts every method completed."""
+    alike), ``repeats`` passes of that; a method's run of a prompt is its median pass by wall time (one
+    prompt's turn takes about a second, and a shared host's speed moves by more than the gap between two
+    methods from one second to the next). A Ctrl-C keeps what finished: the prompts every method completed."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     results: dict[str, list[Run]] = {name: [] for name in runners}
     interrupted, t0 = False, time.perf_counter()
     try:
@@ -132,9 +142,13 @@ def bench_loop(
                 run_prompt(run, one, encode, decode, min(16, max_new_tokens), sampling)
         bar = tqdm(prompts, desc="bench", disable=not progress, unit="prompt", file=sys.stderr)
         for p in bar:
-            for name, run in runners.items():
-                bar.set_postfix_str(f"{p['category']} {name}")
-                results[name].append(run_prompt(run, p, encode, decode, max_new_tokens, sampling))
+            passes: dict[str, list[Run]] = {name: [] for name in runners}
+            for _ in range(repeats):
+                for name, run in runners.items():
+                    bar.set_postfix_str(f"{p['category']} {name}")
+                    passes[name].append(run_prompt(run, p, encode, decode, max_new_tokens, sampling))
+            for name, runs in passes.items():
+                results[name].append(sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2])
     except KeyboardInterrupt:
         interrupted = True
     n = min(len(v) for v in results.values())

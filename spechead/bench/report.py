@@ -213,7 +213,8 @@ def _header(cfg: dict[str, Any]) -> list[str]:
         lines += ["**Interrupted: partial results over the prompts every method finished.**", ""]
     lines += [
         f"- prompts: {cfg['prompts']} ({cfg.get('suite', '')}), max new tokens {cfg.get('max_new_tokens')}, "
-        f"temperature {cfg.get('temperature')}, tree {cfg.get('tree')}",
+        f"temperature {cfg.get('temperature')}, tree {cfg.get('tree')}"
+        + (f", median of {cfg['repeats']} passes a prompt" if cfg.get("repeats", 1) > 1 else ""),
         f"- machine: {cfg.get('cpu')}, {cfg.get('threads')} threads, torch {cfg.get('torch')}, "
         f"peak RSS {_f(cfg.get('peak_rss_mb'), '.0f')} MB",
         f"- target: {cfg.get('target')}; drafters: {cfg.get('drafters')}",

@@ -147,13 +147,13 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
         args.max_new_tokens,
         sampling,
         tree,
-        repeats=args.repeats,
+        repeats=args.repeats or 3,
         guard=not args.no_guard,
     )
     out["config"] = {
         "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
         "cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})", "suite": args.suite,
-        "tree": args.tree, "repeats": args.repeats, "guard": not args.no_guard,
+        "tree": args.tree, "repeats": args.repeats or 3, "guard": not args.no_guard,
         "command": "spechead " + shlex.join(sys.argv[1:]),
     }  # fmt: skip
     print(format_batch_table(out))
@@ -189,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = run_bench(
         session, prompts, methods, args.drafter, args.max_new_tokens, sampling, tree,
         progress=not args.quiet, warmup=args.warmup, drafters=drafters, heads_json=heads_json,
-        guard=not args.no_guard,
+        guard=not args.no_guard, repeats=args.repeats or 1,
     )  # fmt: skip
     out["config"]["guard"] = not args.no_guard
     out["config"]["command"] = "spechead " + shlex.join(sys.argv[1:])
@@ -253,7 +253,11 @@ def add_cli(sub) -> None:
         "first turns only, tree per batch size by spechead.bench.batch.batch_tree unless --tree/@TREE is given",
     )
     b.add_argument(
-        "--repeats", type=positive_int, default=3, help="--batch: timed passes per method, interleaved (median)"
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed passes of every prompt (or batch) per method, the methods interleaved; each figure is the "
+        "median pass (default 1, with --batch 3)",
     )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--note", default=None, help="a line shown at the top of the report (e.g. 'smoke run')")
