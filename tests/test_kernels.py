@@ -304,6 +304,43 @@ def test_attend_is_attention_over_the_visible_slots(isa, d):
 
 
 @ISAS
+def test_attend_over_chunks_and_a_window_is_attention_whatever_the_threads(isa):
+    """A row's slots are attended in fixed chunks of the lane, merged in order: over several chunks, from a window's
+    first slot (Gemma's local layers), with slots masked out and a chunk some rows see none of, the result is SDPA's,
+    and the same bits on one thread as on two (the tasks and their order change, a row's arithmetic does not)."""
+    lib = kernels.library(isa)
+    g = torch.Generator().manual_seed(14)
+    T, start, kv_from, heads, kv, d = 3, 700, 100, 4, 1, 64
+    q, k, v = (torch.randn(T, n * d, generator=g) for n in (heads, kv, kv))
+    from spechead.model.layers import Rotary
+
+    cos, sin = Rotary(d, 1024, 10000.0)(torch.arange(start, start + T))
+    caches = [torch.randn(1, kv, 1024, d, generator=g) for _ in range(2)]
+    S = start + T - kv_from
+    mask = torch.rand(T, S, generator=g) < 0.8
+    mask[:, S - T :] = torch.ones(T, T, dtype=torch.bool).tril()
+    mask[0, 300:500] = False  # row 0 sees nothing of the lane's slots 400-599 (a whole chunk of them)
+    outs = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kc, vc = caches[0].clone(), caches[1].clone()
+            outs.append(lib.attend(q, k, v, cos, sin, kc, vc, 0, start, mask, kv_from, 0.125))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    rope = lambda t, n: lib.rope(t.view(T, n, d).contiguous(), cos, sin).transpose(0, 1)  # noqa: E731
+    keys = torch.cat([caches[0][0, :, kv_from:start], rope(k, kv)], dim=1)
+    vals = torch.cat([caches[1][0, :, kv_from:start], v.view(T, kv, d).transpose(0, 1)], dim=1)
+    want = F.scaled_dot_product_attention(
+        rope(q, heads)[None].double(), keys[None].double(), vals[None].double(), attn_mask=mask, scale=0.125,
+        enable_gqa=True,
+    )[0].transpose(0, 1).reshape(T, -1)  # fmt: skip
+    torch.testing.assert_close(outs[0], want.float(), rtol=1e-5, atol=1e-5)
+
+
+@ISAS
 def test_attend_row_is_the_decode_step_it_stands_for(isa):
     """A tree node's row is bitwise what a decode step at its position gives once its ancestors are committed:
     the same keys and values, visited in the same order (what makes a verification agree with AR decoding)."""
@@ -364,11 +401,11 @@ def test_a_layer_over_several_requests_is_each_request_alone(isa):
     fan_in = [d, heads * hd, d, inter]
     ws = [BlockedWeight(torch.randn(n, k, generator=g) / k**0.5).data for n, k in zip(widths, fan_in, strict=True)]
     ln1, ln2 = 1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)
-    caches = [torch.randn(4, kv, 256, hd, generator=g) for _ in range(2)]
-    # (lane, start, rows, mask): a one-row step, a 4-node tree, a two-row causal chunk
-    tree = torch.ones(4, 150 + 4, dtype=torch.bool)
-    tree[:, 150:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    parts = [(0, 90, 1, None), (2, 150, 4, tree), (3, 70, 2, None)]
+    caches = [torch.randn(4, kv, 320, hd, generator=g) for _ in range(2)]
+    # (lane, start, rows, mask): a one-row step, a 4-node tree past the attention's first chunk, a two-row chunk
+    tree = torch.ones(4, 290 + 4, dtype=torch.bool)
+    tree[:, 290:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    parts = [(0, 90, 1, None), (2, 290, 4, tree), (3, 70, 2, None)]
     T = sum(p[2] for p in parts)
     x = torch.randn(T, d, generator=g)
     pos = torch.cat([torch.arange(s, s + t) for _, s, t, _ in parts])

@@ -8,14 +8,21 @@
 // threads) for work that reads 0.9 MB: a tenth of a step's time; this is its bytes.
 //
 // Row-count property, and why it matters for losslessness: a row's output is computed from the list of slots it
-// may see, in slot order, and nothing else: scores, their maximum, the exponentials' sum and the weighted values
-// are each accumulated in one fixed order over that list, whatever rows, requests and tasks share the call. A tree
-// node sees its committed prefix and its ancestors; were it accepted, the decode step at the same position would
-// see the same keys and values (the projections' kernel is row-count invariant) in the same order, so
-// verification and decoding give bitwise the same hidden state.
+// may see, in slot order, and nothing else. The list is cut at fixed slots (every kAttnChunk slots of the lane,
+// whatever the call); in each chunk the scores, their maximum, the exponentials' sum and the weighted values are
+// accumulated in one fixed order, and the chunks are merged in slot order (flash-decoding's split, at boundaries
+// that belong to the slots, not to the call). Whatever rows, requests, tasks and threads share the call, a row
+// gets the same bits. A tree node sees its committed prefix and its ancestors; were it accepted, the decode step
+// at the same position would see the same keys and values (the projections' kernel is row-count invariant) in the
+// same order, so verification and decoding give bitwise the same hidden state.
+//
+// Why chunks: a decode step has a few queries per key/value head (the demo's 3 x 3, Gemma 3's 4 x 1) for two
+// threads. Split by query, tasks of one head each read its keys and values; split by chunk, each byte of the cache
+// is read from memory once and the threads share the stream.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -68,6 +75,8 @@ inline int64_t slots_before(const int32_t* list, int64_t from, int64_t count, in
 
 constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
 constexpr int64_t kAttnBlock = 64;  // slots whose keys (16 KB at 64 fp32 values a head), then values, sit in L1
+constexpr int64_t kAttnChunk = 256;  // slots of a lane: a row's list is attended in these chunks, merged in order
+constexpr int64_t kTaskQueries = 16;  // queries of one key/value head a task takes at most
 
 // a[0 : NB*W] += p[j] * v[list[j]] for j in [j0, j1), in order, the accumulators in registers meanwhile
 template <int NB>
@@ -206,51 +215,74 @@ void list_visible(const bool* pm, int64_t T, int64_t S, int64_t kv_from, int32_t
   }
 }
 
-// One task's queries, up to 8 of key/value head g: each one's row, head, visible-slot count and list, row of
-// scores and roped query, and its cursor in its list (walk moves it).
+// One task's queries, up to kTaskQueries of key/value head g, over chunk c of the lane's slots, [s0, s1): each
+// one's row, head, list of visible slots and the part of it in the chunk [first, last), its row of scores and roped
+// query, its chunk's results (largest score, sum, weighted values), and its cursor in its list (walk moves it).
 struct Task {
   const AttendPlan& pl;
-  int64_t g = 0, nq = 0;
+  int64_t g = 0, c = 0, nq = 0, s0 = 0, s1 = 0;
   const float* kh = nullptr;  // the head's keys and values in the cache lane
   const float* vh = nullptr;
   bool together = false;  // D % W == 0: the shared-load path's shapes; else every query on its own
-  int64_t row[8], head[8], count[8], at[8];
-  const int32_t* list[8];
-  float* score[8];
-  const float* q[8];
+  int64_t row[kTaskQueries], head[kTaskQueries], first[kTaskQueries], last[kTaskQueries], at[kTaskQueries];
+  const int32_t* list[kTaskQueries];
+  float* score[kTaskQueries];
+  float* cmax[kTaskQueries];
+  float* csum[kTaskQueries];
+  float* cacc[kTaskQueries];
+  const float* q[kTaskQueries];
 
   Task(const AttendPlan& plan, int64_t task) : pl(plan) {
-    g = task / pl.tasks_per_g;
-    const int64_t q0 = task % pl.tasks_per_g * pl.per_task;
+    const int64_t sub = task % pl.tasks_per_g;
+    c = task / pl.tasks_per_g % pl.chunks;
+    g = task / (pl.tasks_per_g * pl.chunks);
+    s0 = std::max(pl.kv_from, (pl.chunk0 + c) * kAttnChunk);
+    s1 = std::min(pl.end, (pl.chunk0 + c + 1) * kAttnChunk);
+    const int64_t q0 = sub * pl.per_task;
     nq = std::min(pl.per_task, pl.per_g - q0);
     kh = pl.kc + g * pl.L * pl.D;
     vh = pl.vc + g * pl.L * pl.D;
     together = pl.D % W == 0;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t t = (q0 + i) / pl.group, n = g * pl.group + (q0 + i) % pl.group;
-      row[i] = t, head[i] = n, count[i] = pl.count[t], list[i] = pl.seen + t * pl.S;
+      const int64_t k = (t * pl.N + n) * pl.chunks + c;
+      row[i] = t, head[i] = n, list[i] = pl.seen + t * pl.S;
+      first[i] = slots_before(list[i], 0, pl.count[t], s0);
+      last[i] = slots_before(list[i], first[i], pl.count[t], s1);
       score[i] = pl.scores + (t * pl.N + n) * pl.padded;
+      cmax[i] = pl.cmax + k, csum[i] = pl.csum + k, cacc[i] = pl.cacc + k * pl.D;
       q[i] = pl.pq + (t * pl.N + n) * pl.D;
     }
   }
 };
 
-// The slots block by block; in each, the queries that see all of it in groups of up to four,
-// group(queries, count, b0, b1, first), then each other query over its part of its list, one(i, j0, j1).
-// Every query's cursor in its list starts at 0 and ends past its last visible slot.
+// The chunk's first kAttnAhead rows of keys or values: the walk prefetches that far ahead of itself, so without
+// this a task would wait on memory for the first half of its chunk.
+void prefetch_start(const Task& t, const float* rows) {
+  for (int64_t s = t.s0; s < std::min(t.s0 + kAttnAhead, t.s1); ++s) prefetch_floats(rows + s * t.pl.D, t.pl.D);
+}
+
+// The chunk's slots block by block; in each, the queries that see all of it in groups of up to four (three as two
+// and one: a group of three spills a register), group(queries, count, b0, b1, first), then each other query over
+// its part of its list, one(i, j0, j1). Every query's cursor starts at its first slot in the chunk, ends past its
+// last.
 template <typename Group, typename One>
 void walk(Task& t, Group&& group, One&& one) {
-  for (int64_t i = 0; i < t.nq; ++i) t.at[i] = 0;
-  for (int64_t b0 = t.pl.kv_from; b0 < t.pl.end; b0 += kAttnBlock) {
-    const int64_t b1 = std::min(b0 + kAttnBlock, t.pl.end);
-    int64_t full[8], nfull = 0, ends[8];
-    bool whole[8];
+  for (int64_t i = 0; i < t.nq; ++i) t.at[i] = t.first[i];
+  for (int64_t b0 = t.s0; b0 < t.s1; b0 += kAttnBlock) {
+    const int64_t b1 = std::min(b0 + kAttnBlock, t.s1);
+    int64_t full[kTaskQueries], nfull = 0, ends[kTaskQueries];
+    bool whole[kTaskQueries];
     for (int64_t i = 0; i < t.nq; ++i) {
-      ends[i] = slots_before(t.list[i], t.at[i], t.count[i], b1);
+      ends[i] = slots_before(t.list[i], t.at[i], t.last[i], b1);
       whole[i] = t.together && ends[i] - t.at[i] == b1 - b0;
       if (whole[i]) full[nfull++] = i;
     }
-    for (int64_t f = 0; f < nfull; f += 4) group(full + f, std::min<int64_t>(4, nfull - f), b0, b1, f == 0);
+    for (int64_t f = 0; f < nfull;) {
+      const int64_t m = nfull - f == 3 ? 2 : std::min<int64_t>(4, nfull - f);
+      group(full + f, m, b0, b1, f == 0);
+      f += m;
+    }
     for (int64_t i = 0; i < t.nq; ++i) {
       if (!whole[i]) one(i, t.at[i], ends[i]);
       t.at[i] = ends[i];
@@ -261,8 +293,9 @@ void walk(Task& t, Group&& group, One&& one) {
 // The task's scores; eight slots at once where they fill a group (independent FMA chains), each slot's sum formed
 // as dot() forms it.
 void score_task(Task& t) {
-  const int64_t D = t.pl.D, end = t.pl.end;
+  const int64_t D = t.pl.D, end = t.s1;
   const float sc = t.pl.sc;
+  prefetch_start(t, t.kh);
   walk(
       t,
       [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
@@ -278,7 +311,7 @@ void score_task(Task& t) {
           for (; j + 8 <= j1; j += 8) {
             const float* kr[8];
             for (int u = 0; u < 8; ++u) kr[u] = t.kh + list[j + u] * D;
-            if (i == 0 && j + kAttnAhead + 8 <= t.count[i])  // a step streams the lane from memory: rows well ahead
+            if (i == 0 && j + kAttnAhead + 8 <= t.last[i])  // a step streams the lane from memory: rows well ahead
               for (int u = 0; u < 8; ++u) prefetch_floats(t.kh + list[j + kAttnAhead + u] * D, D);
             score_tile<1, 8>(t.q + i, kr, D, sc, t.score[i] + j);
           }
@@ -286,13 +319,19 @@ void score_task(Task& t) {
       });
 }
 
-// The scores turned into softmax weights in place: exp(score - max), summed in list order; inv[i] = 1 / sum.
-void softmax_task(const Task& t, float* inv) {
+// Each query's scores in the chunk turned into weights in place: exp(score - max), summed in list order from the
+// chunk's first slot; the chunk's largest score and sum kept for the merge (-inf and 0 where the query sees none
+// of it). The last few weights take the same vector exp in a buffer: past the chunk's part of the row, the next
+// chunk's task may be writing.
+void softmax_task(const Task& t) {
   for (int64_t i = 0; i < t.nq; ++i) {
-    float* score = t.score[i];
-    const int64_t c = t.count[i];
-    float mx = row_max(score, c);
-    for (int64_t j = c; j < t.pl.padded; ++j) score[j] = mx;  // exp(0) in the padding, never summed
+    const int64_t c = t.last[i] - t.first[i];
+    if (c == 0) {
+      *t.cmax[i] = -std::numeric_limits<float>::infinity(), *t.csum[i] = 0.0f;
+      continue;
+    }
+    float* score = t.score[i] + t.first[i];
+    const float mx = row_max(score, c);
     Vec vs = vzero();
     const Vec neg = vset1(-mx);
     int64_t j = 0;
@@ -303,30 +342,34 @@ void softmax_task(const Task& t, float* inv) {
     }
     float sum = vsum(vs);
     if (j < c) {
-      vstore(score + j, vexp_nonpositive(vadd(vload(score + j), neg)));
-      for (; j < c; ++j) sum += score[j];
+      float tail[W];
+      std::fill(tail, tail + W, mx);
+      std::copy(score + j, score + c, tail);
+      vstore(tail, vexp_nonpositive(vadd(vload(tail), neg)));
+      for (int64_t u = 0; j < c; ++j, ++u) sum += score[j] = tail[u];
     }
-    inv[i] = 1.0f / sum;
+    *t.cmax[i] = mx, *t.csum[i] = sum;
   }
 }
 
-// The weighted values into acc (query i at acc[i * D]), each output accumulated in slot order.
-void weigh_task(Task& t, std::vector<float>& acc) {
-  const int64_t D = t.pl.D, end = t.pl.end;
+// Each query's weighted values over the chunk into its cacc, accumulated in slot order.
+void weigh_task(Task& t) {
+  const int64_t D = t.pl.D, end = t.s1;
   const float* vh = t.vh;
-  acc.assign(t.pl.per_task * D, 0.0f);
+  prefetch_start(t, vh);
+  for (int64_t i = 0; i < t.nq; ++i) std::fill(t.cacc[i], t.cacc[i] + D, 0.0f);
   walk(
       t,
       [&](const int64_t* qs, int64_t m, int64_t b0, int64_t b1, bool first) {
         const float* pp[4];
         float* ap[4];
-        for (int64_t u = 0; u < m; ++u) pp[u] = t.score[qs[u]] + t.at[qs[u]], ap[u] = acc.data() + qs[u] * D;
+        for (int64_t u = 0; u < m; ++u) pp[u] = t.score[qs[u]] + t.at[qs[u]], ap[u] = t.cacc[qs[u]];
         kWeighBlock[m - 1](vh, D, b0, b1, pp, ap, first, end);
       },
       [&](int64_t i, int64_t j0, int64_t j1) {
         const int32_t* list = t.list[i];
         const float* p = t.score[i];
-        float* ai = acc.data() + i * D;
+        float* ai = t.cacc[i];
         int64_t d = 0;
         for (; d + 8 * W <= D; d += 8 * W) weigh_values<8>(vh + d, D, list, p, j0, j1, ai + d);
         for (; d + 4 * W <= D; d += 4 * W) weigh_values<4>(vh + d, D, list, p, j0, j1, ai + d);
@@ -334,6 +377,41 @@ void weigh_task(Task& t, std::vector<float>& acc) {
         for (; d < D; ++d)  // heads narrower than a vector (small test models)
           for (int64_t j = j0; j < j1; ++j) ai[d] += p[j] * vh[list[j] * D + d];
       });
+}
+
+// One query's output from its chunks in slot order: with m the largest chunk maximum and e_c = exp(m_c - m),
+// o = (sum_c e_c acc_c) / (sum_c e_c sum_c). A single chunk gives e = 1, o = acc / sum: the unsplit form's bits.
+void merge_chunks(const AttendPlan& pl, int64_t t, int64_t n) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  const int64_t D = pl.D, C = pl.chunks, k = (t * pl.N + n) * C;
+  const float* cm = pl.cmax + k;
+  const float* cs = pl.csum + k;
+  const float* ca = pl.cacc + k * D;
+  float mx = kNone;
+  for (int64_t c = 0; c < C; ++c) mx = std::max(mx, cm[c]);
+  thread_local std::vector<float> e;
+  e.assign((C + W - 1) / W * W, kNone);
+  for (int64_t c = 0; c < C; ++c)
+    if (cs[c] > 0.0f) e[c] = cm[c] - mx;
+  for (size_t c = 0; c < e.size(); c += W) vstore(e.data() + c, vexp_nonpositive(vload(e.data() + c)));
+  float sum = 0.0f;
+  for (int64_t c = 0; c < C; ++c)
+    if (cs[c] > 0.0f) sum += cs[c] * e[c];
+  const float inv = 1.0f / sum;
+  float* o = pl.po + (t * pl.N + n) * D;
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    Vec a = vzero();
+    for (int64_t c = 0; c < C; ++c)
+      if (cs[c] > 0.0f) a = vfma(vset1(e[c]), vload(ca + c * D + d), a);
+    vstore(o + d, vfma(a, vset1(inv), vzero()));
+  }
+  for (; d < D; ++d) {
+    float a = 0.0f;
+    for (int64_t c = 0; c < C; ++c)
+      if (cs[c] > 0.0f) a += e[c] * ca[c * D + d];
+    o[d] = a * inv;
+  }
 }
 
 }  // namespace
@@ -403,52 +481,59 @@ AttendPlan plan_attend(AttendRows& r, const float* q, int64_t ldq, const float* 
   for (int64_t t = 0; t < T; ++t)
     for (int64_t n = 0; n < N; ++n)
       rope_row(q + t * ldq + n * D, r.cos + t * D, r.sin + t * D, pq + (t * N + n) * D, D);
-  // A task takes up to 8 queries of one key/value head (the rows x heads of its group) and walks the slots in
-  // blocks of kAttnBlock: each block's keys, then its values, are read from memory once for all the task's
-  // queries and stay in L1 while they use them. The queries that see the whole block (a committed prefix) go
-  // through it together, up to four per key and value load; the others (a tree's own slots, a window's edge)
-  // one by one over their lists. Both give a query the same arithmetic, which does not depend on its task.
-  // Fewer queries a task where there would be fewer than min_tasks (a decode step's 3 x 3 queries on 2 threads).
+  // A task takes up to kTaskQueries queries of one key/value head (the rows x heads of its group) over one chunk of
+  // slots and walks the chunk in blocks of kAttnBlock: each block's keys, then its values, are read from memory once
+  // for all the task's queries and stay in L1 while they use them. The queries that see the whole block (a committed
+  // prefix) go through it together, up to four per key and value load; the others (a tree's own slots, a window's
+  // edge) one by one over their lists. Both give a query the same arithmetic, which does not depend on its task.
+  // Fewer queries a task where there would be fewer than min_tasks (a short context's one chunk).
   const int64_t group = N / KV, padded = (S + W - 1) / W * W, per_g = T * group;
-  int64_t per_task = std::min<int64_t>(8, per_g);
-  while (per_task > 1 && KV * ((per_g + per_task - 1) / per_task) < min_tasks) per_task = (per_task + 1) / 2;
+  const int64_t chunk0 = r.kv_from / kAttnChunk, chunks = (r.start + T - 1) / kAttnChunk - chunk0 + 1;
+  int64_t per_task = std::min<int64_t>(kTaskQueries, per_g);
+  while (per_task > 1 && KV * chunks * ((per_g + per_task - 1) / per_task) < min_tasks) per_task = (per_task + 1) / 2;
   r.scores.resize(T * N * padded);
+  r.cmax.resize(T * N * chunks);
+  r.csum.resize(T * N * chunks);
+  r.cacc.resize(T * N * chunks * D);
   AttendPlan pl;
   pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = r.kv_from, pl.end = r.start + T;
   pl.group = group, pl.padded = padded, pl.per_g = per_g, pl.per_task = per_task;
-  pl.tasks_per_g = (per_g + per_task - 1) / per_task;
+  pl.tasks_per_g = (per_g + per_task - 1) / per_task, pl.chunk0 = chunk0, pl.chunks = chunks;
   pl.sc = static_cast<float>(scale), pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;
   pl.seen = r.seen.data(), pl.count = r.count.data(), pl.scores = r.scores.data();
+  pl.cmax = r.cmax.data(), pl.csum = r.csum.data(), pl.cacc = r.cacc.data();
   return pl;
 }
 
-void AttendPlan::run_task(int64_t task, std::vector<float>& acc) const {
+void AttendPlan::run_task(int64_t task, std::atomic<int32_t>* left) const {
   Task t(*this, task);
   score_task(t);
-  float inv[8];
-  softmax_task(t, inv);
-  weigh_task(t, acc);
-  for (int64_t i = 0; i < t.nq; ++i) {
-    float* o = po + (t.row[i] * N + t.head[i]) * D;
-    const float* ai = acc.data() + i * D;
-    const Vec iv = vset1(inv[i]);
-    int64_t d = 0;
-    for (; d + W <= D; d += W) vstore(o + d, vfma(vload(ai + d), iv, vzero()));
-    for (; d < D; ++d) o[d] = ai[d] * inv[i];
-  }
+  softmax_task(t);
+  weigh_task(t);
+  // the last of a query group's chunks merges the group (acq_rel: the other chunks' results are visible to it)
+  const int64_t g = task / (tasks_per_g * chunks) * tasks_per_g + task % tasks_per_g;
+  if (left[g].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    for (int64_t i = 0; i < t.nq; ++i) merge_chunks(*this, t.row[i], t.head[i]);
 }
 
-// Every plan's tasks in one parallel loop: a batch of one-row decode steps is many small requests, each too
-// small to keep the threads busy on its own.
+// Every plan's tasks in one parallel loop, handed out one at a time in order (chunks and groups differ in size; a
+// batch of one-row decode steps is many small requests, each too small to keep the threads busy on its own).
 void run_plans(const std::vector<AttendPlan>& plans) {
-  std::vector<int64_t> first(plans.size() + 1, 0);  // plans[p]'s tasks are [first[p], first[p + 1]) of the loop
-  for (size_t p = 0; p < plans.size(); ++p) first[p + 1] = first[p] + plans[p].tasks();
-  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc;
-    size_t p = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
-    for (int64_t task = t0; task < t1; ++task) {
-      while (task >= first[p + 1]) ++p;
-      plans[p].run_task(task - first[p], acc);
+  std::vector<int64_t> first(plans.size() + 1, 0);   // plans[p]'s tasks are [first[p], first[p + 1]) of the loop
+  std::vector<int64_t> groups(plans.size() + 1, 0);  // and its groups' counters [groups[p], groups[p + 1])
+  for (size_t p = 0; p < plans.size(); ++p) {
+    first[p + 1] = first[p] + plans[p].tasks();
+    groups[p + 1] = groups[p] + plans[p].KV * plans[p].tasks_per_g;
+  }
+  std::unique_ptr<std::atomic<int32_t>[]> left(new std::atomic<int32_t>[groups.back()]);
+  for (size_t p = 0; p < plans.size(); ++p)
+    for (int64_t i = groups[p]; i < groups[p + 1]; ++i) left[i].store(static_cast<int32_t>(plans[p].chunks));
+  std::atomic<int64_t> next{0};
+  const int64_t total = first.back();
+  at::parallel_for(0, std::min<int64_t>(total, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t task = next.fetch_add(1); task < total; task = next.fetch_add(1)) {
+      const size_t p = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      plans[p].run_task(task - first[p], left.get() + groups[p]);
     }
   });
 }

@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -58,16 +59,18 @@ struct AttendRows {
   std::vector<int32_t> seen;  // row t's visible slots in slot order: seen[t * S + c] for c < count[t]
   std::vector<int64_t> count;
   std::vector<float> qr, scores;
+  std::vector<float> cmax, csum, cacc;  // per row, head and chunk: the chunk's largest score, sum and weighted values
 };
 AttendRows attend_rows(const at::Tensor& cos, const at::Tensor& sin, int64_t row0, int64_t T, int64_t lane,
                        int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from);
 
 // One request's attention in one layer once its queries are roped and its keys and values cached (plan_attend):
-// the split of its queries into tasks; run_task runs one task, so a layer can spread several requests' tasks over
-// the threads in one parallel loop (run_plans).
+// the split of its queries into groups and of its slots into chunks, a task being one group over one chunk;
+// run_task runs one task, and the last of a group's chunks to finish merges the group's outputs, so a layer can
+// spread several requests' tasks over the threads in one parallel loop (run_plans).
 struct AttendPlan {
   int64_t T = 0, S = 0, N = 0, KV = 0, D = 0, L = 0, kv_from = 0, end = 0;
-  int64_t group = 0, padded = 0, per_g = 0, per_task = 0, tasks_per_g = 0;
+  int64_t group = 0, padded = 0, per_g = 0, per_task = 0, tasks_per_g = 0, chunk0 = 0, chunks = 1;
   float sc = 0.0f;
   const float* kc = nullptr;
   const float* vc = nullptr;
@@ -76,8 +79,12 @@ struct AttendPlan {
   const int32_t* seen = nullptr;
   const int64_t* count = nullptr;
   float* scores = nullptr;
-  int64_t tasks() const { return KV * tasks_per_g; }
-  void run_task(int64_t task, std::vector<float>& acc) const;
+  float* cmax = nullptr;
+  float* csum = nullptr;
+  float* cacc = nullptr;
+  int64_t tasks() const { return KV * chunks * tasks_per_g; }
+  // left: the plan's per-group counts of chunks still to run (KV * tasks_per_g of them)
+  void run_task(int64_t task, std::atomic<int32_t>* left) const;
 };
 
 // q [T, N*D] at row stride ldq, k / v [T, KV*D] at row strides ldk / ldv, the caches [lanes, KV, max_len, D]: RoPE, the
