@@ -102,14 +102,16 @@ def test_trees_beyond_16_rows_stay_on_the_kernel(tiny_small_vocab_dir):
 
 @pytest.mark.paths
 @pytest.mark.parametrize("folder", ["tiny_dir", "tiny_gemma3_dir"])
-def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(folder, request):
+@pytest.mark.parametrize("start", [40, 254])
+def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(folder, start, request):
     """The one-op decoder layers compute what the modules do, bitwise, for a Llama and a Gemma 3 target (q / k
     norms, sandwich norms, GELU, sliding windows past their width); and a tree verification's row is bitwise the
-    decode step it stands for (projections, attention and MLP all computing a row on its own)."""
+    decode step it stands for (projections, attention and MLP all computing a row on its own), also where the
+    tree's slots straddle the attention's chunk boundary at 256 and its decode steps' do not."""
     if not kernels.available():
         pytest.skip("spechead's kernel is not built on this machine")
-    target = make_decoder(request.getfixturevalue(folder), tree=TREES[0]).target
-    start, g = 40, torch.Generator().manual_seed(3)
+    target = make_decoder(request.getfixturevalue(folder), tree=TREES[0], max_len=320).target
+    g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, target.config.vocab_size, (start + 4,), generator=g)
     # a tree of 4 nodes: 0 -> 1 -> 3 is a branch, 2 a sibling of 1
     depth = torch.tensor([0, 1, 1, 2])
@@ -124,11 +126,12 @@ def test_fused_layers_are_the_modules_and_verification_rows_are_decode_steps(fol
             x = target.model.embed_tokens(ids[:1])
             assert (target._fused_layers(x, [Segment(0, 1, 0)], rope, [], None) is not None) == fused
             tree = target(ids[start:], start, positions=start + depth, mask=mask).logits
-            steps = [target(ids[start + i : start + i + 1], start + n).logits[0] for n, i in enumerate([0, 1, 3])]
-            runs[fused] = (tree, steps)
+            for branch in ([0, 1, 3], [0, 2]):
+                steps = [target(ids[start + i : start + i + 1], start + n).logits[0] for n, i in enumerate(branch)]
+                assert torch.equal(torch.stack(steps), tree[branch]), branch
+            runs[fused] = tree
             target._fused = None
-            assert torch.equal(torch.stack(steps), tree[[0, 1, 3]])
-    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True], runs[False])
 
 
 @pytest.mark.paths

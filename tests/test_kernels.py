@@ -319,7 +319,7 @@ def test_attend_over_chunks_and_a_window_is_attention_whatever_the_threads(isa):
     S = start + T - kv_from
     mask = torch.rand(T, S, generator=g) < 0.8
     mask[:, S - T :] = torch.ones(T, T, dtype=torch.bool).tril()
-    mask[0, 300:500] = False  # row 0 sees nothing of the lane's slots 400-599 (a whole chunk of them)
+    mask[0, 156:412] = False  # row 0 sees nothing of slots 256-511: a whole chunk it skips
     outs = []
     for threads in (1, 2):
         before = torch.get_num_threads()
@@ -341,13 +341,15 @@ def test_attend_over_chunks_and_a_window_is_attention_whatever_the_threads(isa):
 
 
 @ISAS
-def test_attend_row_is_the_decode_step_it_stands_for(isa):
+@pytest.mark.parametrize("start", [300, 254])
+def test_attend_row_is_the_decode_step_it_stands_for(isa, start):
     """A tree node's row is bitwise what a decode step at its position gives once its ancestors are committed:
-    the same keys and values, visited in the same order (what makes a verification agree with AR decoding)."""
+    the same keys and values, visited in the same order (what makes a verification agree with AR decoding). From
+    slot 254 the branches cross the attention's chunk boundary at 256 at other slots than their decode steps do."""
     lib = kernels.library(isa)
     g = torch.Generator().manual_seed(12)
-    start, heads, kv, d = 300, 9, 3, 64
-    # a tree of 6 nodes: 0 -> 1 -> 3 -> 5 is one branch, 2 and 4 hang elsewhere
+    heads, kv, d = 9, 3, 64
+    # a tree of 6 nodes, two branches: 0 -> 1 -> 3 -> 5 and 0 -> 2 -> 4
     parent = [-1, 0, 0, 1, 2, 3]
     T = len(parent)
     q, k, v, cos, sin, (kc, vc) = _attention_case(g, T, start, heads, kv, d)
@@ -365,12 +367,12 @@ def test_attend_row_is_the_decode_step_it_stands_for(isa):
             mask[i, start + j] = True
             j = parent[j]
     tree = lib.attend(q, k, v, cos, sin, kc.clone(), vc.clone(), 0, start, mask, 0, 0.125)
-    branch = [0, 1, 3, 5]
-    kc2, vc2 = kc.clone(), vc.clone()
-    for n, i in enumerate(branch):  # decode the branch one token at a time, each at the next slot
-        r = slice(i, i + 1)
-        step = lib.attend(q[r], k[r], v[r], cos[r], sin[r], kc2, vc2, 0, start + n, None, 0, 0.125)
-        assert torch.equal(step[0], tree[i])
+    for branch in ([0, 1, 3, 5], [0, 2, 4]):
+        kc2, vc2 = kc.clone(), vc.clone()
+        for n, i in enumerate(branch):  # decode the branch one token at a time, each at the next slot
+            r = slice(i, i + 1)
+            step = lib.attend(q[r], k[r], v[r], cos[r], sin[r], kc2, vc2, 0, start + n, None, 0, 0.125)
+            assert torch.equal(step[0], tree[i]), (branch, i)
 
 
 @ISAS

@@ -8,17 +8,21 @@
 // threads) for work that reads 0.9 MB: a tenth of a step's time; this is its bytes.
 //
 // Row-count property, and why it matters for losslessness: a row's output is computed from the list of slots it
-// may see, in slot order, and nothing else. The list is cut at fixed slots (every kAttnChunk slots of the lane,
-// whatever the call); in each chunk the scores, their maximum, the exponentials' sum and the weighted values are
-// accumulated in one fixed order, and the chunks are merged in slot order (flash-decoding's split, at boundaries
-// that belong to the slots, not to the call). Whatever rows, requests, tasks and threads share the call, a row
-// gets the same bits. A tree node sees its committed prefix and its ancestors; were it accepted, the decode step
-// at the same position would see the same keys and values (the projections' kernel is row-count invariant) in the
-// same order, so verification and decoding give bitwise the same hidden state.
+// may see, in slot order, and nothing else. The list is cut into chunks of kAttnChunk places, a key's place being
+// the position it has once the row's tokens are committed: its slot in the committed prefix (slots below the
+// call's first, `start`), else `start` plus its rank among the row's keys from the call's own slots (a tree node's
+// ancestors, which take consecutive slots when accepted). In each chunk the scores, their maximum, the
+// exponentials' sum and the weighted values are accumulated in one fixed order, and the chunks are merged in order
+// (flash-decoding's split, at boundaries that belong to the row's keys, not to the call). Whatever rows, requests,
+// tasks and threads share the call, a row gets the same bits. A tree node sees its committed prefix and its
+// ancestors; were it accepted, the decode step at the same position would see the same keys and values (the
+// projections' kernel is row-count invariant) at the same places, in the same order, so verification and decoding
+// give bitwise the same hidden state.
 //
 // Why chunks: a decode step has a few queries per key/value head (the demo's 3 x 3, Gemma 3's 4 x 1) for two
 // threads. Split by query, tasks of one head each read its keys and values; split by chunk, each byte of the cache
-// is read from memory once and the threads share the stream.
+// is read from memory once and the threads share the stream. (Cut at slots instead of places, a tree node whose
+// ancestors straddle a boundary would merge other chunks than its decode step: a different rounding.)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -75,7 +79,7 @@ inline int64_t slots_before(const int32_t* list, int64_t from, int64_t count, in
 
 constexpr int64_t kAttnAhead = 64;  // slots: ~100 ns of DRAM latency at a few ns a slot, with room
 constexpr int64_t kAttnBlock = 64;  // slots whose keys (16 KB at 64 fp32 values a head), then values, sit in L1
-constexpr int64_t kAttnChunk = 256;  // slots of a lane: a row's list is attended in these chunks, merged in order
+constexpr int64_t kAttnChunk = 256;  // places: a row's list is attended in chunks of these, merged in order
 constexpr int64_t kTaskQueries = 16;  // queries of one key/value head a task takes at most
 
 // a[0 : NB*W] += p[j] * v[list[j]] for j in [j0, j1), in order, the accumulators in registers meanwhile
@@ -215,12 +219,19 @@ void list_visible(const bool* pm, int64_t T, int64_t S, int64_t kv_from, int32_t
   }
 }
 
-// One task's queries, up to kTaskQueries of key/value head g, over chunk c of the lane's slots, [s0, s1): each
-// one's row, head, list of visible slots and the part of it in the chunk [first, last), its row of scores and roped
-// query, its chunk's results (largest score, sum, weighted values), and its cursor in its list (walk moves it).
+// How many of a row's keys (its list of count slots, the first `own` of them below `start`) have a place below p:
+// a prefix key's place is its slot, the k-th key from the call's own slots has place start + k.
+inline int64_t keys_before(const int32_t* list, int64_t count, int64_t own, int64_t start, int64_t p) {
+  return p <= start ? slots_before(list, 0, own, p) : own + std::min(count - own, p - start);
+}
+
+// One task's queries, up to kTaskQueries of key/value head g, over chunk c of places [p0, p1): each one's row, head,
+// list of visible slots and the part of it in the chunk [first, last), its row of scores and roped query, its
+// chunk's results (largest score, sum, weighted values), and its cursor in its list (walk moves it). [lo, hi): the
+// slots the task's keys lie in.
 struct Task {
   const AttendPlan& pl;
-  int64_t g = 0, c = 0, nq = 0, s0 = 0, s1 = 0;
+  int64_t g = 0, c = 0, nq = 0, p0 = 0, p1 = 0, lo = 0, hi = 0;
   const float* kh = nullptr;  // the head's keys and values in the cache lane
   const float* vh = nullptr;
   bool together = false;  // D % W == 0: the shared-load path's shapes; else every query on its own
@@ -236,8 +247,9 @@ struct Task {
     const int64_t sub = task % pl.tasks_per_g;
     c = task / pl.tasks_per_g % pl.chunks;
     g = task / (pl.tasks_per_g * pl.chunks);
-    s0 = std::max(pl.kv_from, (pl.chunk0 + c) * kAttnChunk);
-    s1 = std::min(pl.end, (pl.chunk0 + c + 1) * kAttnChunk);
+    p0 = std::max(pl.kv_from, (pl.chunk0 + c) * kAttnChunk);
+    p1 = std::min(pl.end, (pl.chunk0 + c + 1) * kAttnChunk);
+    lo = pl.end, hi = pl.kv_from;
     const int64_t q0 = sub * pl.per_task;
     nq = std::min(pl.per_task, pl.per_g - q0);
     kh = pl.kc + g * pl.L * pl.D;
@@ -247,8 +259,13 @@ struct Task {
       const int64_t t = (q0 + i) / pl.group, n = g * pl.group + (q0 + i) % pl.group;
       const int64_t k = (t * pl.N + n) * pl.chunks + c;
       row[i] = t, head[i] = n, list[i] = pl.seen + t * pl.S;
-      first[i] = slots_before(list[i], 0, pl.count[t], s0);
-      last[i] = slots_before(list[i], first[i], pl.count[t], s1);
+      const int64_t own = slots_before(list[i], 0, pl.count[t], pl.start);
+      first[i] = keys_before(list[i], pl.count[t], own, pl.start, p0);
+      last[i] = keys_before(list[i], pl.count[t], own, pl.start, p1);
+      if (first[i] < last[i]) {
+        lo = std::min<int64_t>(lo, list[i][first[i]]);
+        hi = std::max<int64_t>(hi, list[i][last[i] - 1] + 1);
+      }
       score[i] = pl.scores + (t * pl.N + n) * pl.padded;
       cmax[i] = pl.cmax + k, csum[i] = pl.csum + k, cacc[i] = pl.cacc + k * pl.D;
       q[i] = pl.pq + (t * pl.N + n) * pl.D;
@@ -256,21 +273,21 @@ struct Task {
   }
 };
 
-// The chunk's first kAttnAhead rows of keys or values: the walk prefetches that far ahead of itself, so without
+// The task's first kAttnAhead rows of keys or values: the walk prefetches that far ahead of itself, so without
 // this a task would wait on memory for the first half of its chunk.
 void prefetch_start(const Task& t, const float* rows) {
-  for (int64_t s = t.s0; s < std::min(t.s0 + kAttnAhead, t.s1); ++s) prefetch_floats(rows + s * t.pl.D, t.pl.D);
+  for (int64_t s = t.lo; s < std::min(t.lo + kAttnAhead, t.hi); ++s) prefetch_floats(rows + s * t.pl.D, t.pl.D);
 }
 
-// The chunk's slots block by block; in each, the queries that see all of it in groups of up to four (three as two
+// The task's slots block by block; in each, the queries that see all of it in groups of up to four (three as two
 // and one: a group of three spills a register), group(queries, count, b0, b1, first), then each other query over
-// its part of its list, one(i, j0, j1). Every query's cursor starts at its first slot in the chunk, ends past its
-// last.
+// its part of its list, one(i, j0, j1). Every query's cursor starts at its first key in the chunk and ends past its
+// last; the blocks only choose between two paths that give a query the same arithmetic.
 template <typename Group, typename One>
 void walk(Task& t, Group&& group, One&& one) {
   for (int64_t i = 0; i < t.nq; ++i) t.at[i] = t.first[i];
-  for (int64_t b0 = t.s0; b0 < t.s1; b0 += kAttnBlock) {
-    const int64_t b1 = std::min(b0 + kAttnBlock, t.s1);
+  for (int64_t b0 = t.lo; b0 < t.hi; b0 += kAttnBlock) {
+    const int64_t b1 = std::min(b0 + kAttnBlock, t.hi);
     int64_t full[kTaskQueries], nfull = 0, ends[kTaskQueries];
     bool whole[kTaskQueries];
     for (int64_t i = 0; i < t.nq; ++i) {
@@ -293,7 +310,7 @@ void walk(Task& t, Group&& group, One&& one) {
 // The task's scores; eight slots at once where they fill a group (independent FMA chains), each slot's sum formed
 // as dot() forms it.
 void score_task(Task& t) {
-  const int64_t D = t.pl.D, end = t.s1;
+  const int64_t D = t.pl.D, end = t.hi;
   const float sc = t.pl.sc;
   prefetch_start(t, t.kh);
   walk(
@@ -354,7 +371,7 @@ void softmax_task(const Task& t) {
 
 // Each query's weighted values over the chunk into its cacc, accumulated in slot order.
 void weigh_task(Task& t) {
-  const int64_t D = t.pl.D, end = t.s1;
+  const int64_t D = t.pl.D, end = t.hi;
   const float* vh = t.vh;
   prefetch_start(t, vh);
   for (int64_t i = 0; i < t.nq; ++i) std::fill(t.cacc[i], t.cacc[i] + D, 0.0f);
@@ -496,7 +513,8 @@ AttendPlan plan_attend(AttendRows& r, const float* q, int64_t ldq, const float* 
   r.csum.resize(T * N * chunks);
   r.cacc.resize(T * N * chunks * D);
   AttendPlan pl;
-  pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = r.kv_from, pl.end = r.start + T;
+  pl.T = T, pl.S = S, pl.N = N, pl.KV = KV, pl.D = D, pl.L = L, pl.kv_from = r.kv_from, pl.start = r.start;
+  pl.end = r.start + T;
   pl.group = group, pl.padded = padded, pl.per_g = per_g, pl.per_task = per_task;
   pl.tasks_per_g = (per_g + per_task - 1) / per_task, pl.chunk0 = chunk0, pl.chunks = chunks;
   pl.sc = static_cast<float>(scale), pl.kc = kc, pl.vc = vc, pl.pq = pq, pl.po = po;

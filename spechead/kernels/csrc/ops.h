@@ -65,11 +65,11 @@ AttendRows attend_rows(const at::Tensor& cos, const at::Tensor& sin, int64_t row
                        int64_t start, const std::optional<at::Tensor>& mask, int64_t kv_from);
 
 // One request's attention in one layer once its queries are roped and its keys and values cached (plan_attend):
-// the split of its queries into groups and of its slots into chunks, a task being one group over one chunk;
+// the split of its queries into groups and of its keys' places into chunks, a task being one group over one chunk;
 // run_task runs one task, and the last of a group's chunks to finish merges the group's outputs, so a layer can
 // spread several requests' tasks over the threads in one parallel loop (run_plans).
 struct AttendPlan {
-  int64_t T = 0, S = 0, N = 0, KV = 0, D = 0, L = 0, kv_from = 0, end = 0;
+  int64_t T = 0, S = 0, N = 0, KV = 0, D = 0, L = 0, kv_from = 0, start = 0, end = 0;
   int64_t group = 0, padded = 0, per_g = 0, per_task = 0, tasks_per_g = 0, chunk0 = 0, chunks = 1;
   float sc = 0.0f;
   const float* kc = nullptr;
