@@ -131,6 +131,7 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
     from spechead.tuning.measure import cpu_name
 
     batches = parse_batches(args.batch)
+    repeats = args.repeats or 3  # a batch round is short: three passes unless told
     tree = None if args.tree is None or args.tree.strip() == AUTO_TREE else TreeConfig.parse(args.tree)
     specs = check_methods(methods, tree)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
@@ -147,13 +148,13 @@ def cmd_batch_study(args: argparse.Namespace, prompts: list[dict[str, Any]], met
         args.max_new_tokens,
         sampling,
         tree,
-        repeats=args.repeats or 3,
+        repeats=repeats,
         guard=not args.no_guard,
     )
     out["config"] = {
         "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
         "cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})", "suite": args.suite,
-        "tree": args.tree, "repeats": args.repeats or 3, "guard": not args.no_guard,
+        "tree": args.tree, "repeats": repeats, "guard": not args.no_guard,
         "command": "spechead " + shlex.join(sys.argv[1:]),
     }  # fmt: skip
     print(format_batch_table(out))

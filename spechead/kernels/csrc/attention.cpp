@@ -124,7 +124,7 @@ constexpr int score_slots() {
 #if defined(SPECHEAD_ISA_AVX512)
   return NQ == 1 ? 16 : NQ == 2 ? 8 : 4;
 #else
-  return NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
+  return NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
 #endif
 }
 
@@ -194,8 +194,9 @@ using ScoreBlockFn = void (*)(const float* const*, float* const*, const int64_t*
                               int64_t, float, bool, int64_t);
 using WeighBlockFn = void (*)(const float*, int64_t, int64_t, int64_t, const float* const*, float* const*, bool,
                               int64_t);
-constexpr ScoreBlockFn kScoreBlock[4] = {score_block<1>, score_block<2>, score_block<3>, score_block<4>};
-constexpr WeighBlockFn kWeighBlock[4] = {weigh_block<1>, weigh_block<2>, weigh_block<3>, weigh_block<4>};
+// by m / 2 for a group of m = 1, 2 or 4 queries (walk gives no group of three)
+constexpr ScoreBlockFn kScoreBlock[3] = {score_block<1>, score_block<2>, score_block<4>};
+constexpr WeighBlockFn kWeighBlock[3] = {weigh_block<1>, weigh_block<2>, weigh_block<4>};
 
 // The caches' checks against one layer's rows: fp32 [lanes, KV, max_len, D] each, k / v rows of KV heads, query
 // heads a multiple of KV, the lane and slots in range.
@@ -320,7 +321,7 @@ void score_task(Task& t) {
         float* sp[4];
         int64_t jp[4];
         for (int64_t u = 0; u < m; ++u) qp[u] = t.q[qs[u]], sp[u] = t.score[qs[u]], jp[u] = t.at[qs[u]];
-        kScoreBlock[m - 1](qp, sp, jp, t.kh, D, b0, b1, sc, first, end);
+        kScoreBlock[m / 2](qp, sp, jp, t.kh, D, b0, b1, sc, first, end);
       },
       [&](int64_t i, int64_t j, int64_t j1) {
         const int32_t* list = t.list[i];
@@ -381,7 +382,7 @@ void weigh_task(Task& t) {
         const float* pp[4];
         float* ap[4];
         for (int64_t u = 0; u < m; ++u) pp[u] = t.score[qs[u]] + t.at[qs[u]], ap[u] = t.cacc[qs[u]];
-        kWeighBlock[m - 1](vh, D, b0, b1, pp, ap, first, end);
+        kWeighBlock[m / 2](vh, D, b0, b1, pp, ap, first, end);
       },
       [&](int64_t i, int64_t j0, int64_t j1) {
         const int32_t* list = t.list[i];
