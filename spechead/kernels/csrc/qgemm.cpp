@@ -50,7 +50,7 @@ namespace SPECHEAD_NS {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kMaxRows = 8;  // rows a vector tile takes; more rows run in tiles of at most this many
+constexpr int kMaxRows = 8;  // rows the portable path takes a panel at a time
 constexpr int64_t kAmxRows = 32;  // calls of at least this many rows take AMX where the OS grants it (measured: below, vpdpbusd is as fast)
 
 // The activation rows of one call, quantized: q [M, K] int8, and per row and block d, the int32 sum s and d * s.
@@ -248,15 +248,27 @@ void panel_avx2(const uint8_t* wd, const float* ws, const float* wm, const QRows
 
 #if defined(SPECHEAD_VNNI_TARGET)
 // ---- AVX512-VNNI: vpdpbusd, a panel is one vector of 16 int32 lanes -------------------------------------------
+// Up to kVnniRows rows share each block's eight weight vectors (q4: unpacked once, in registers), so a 16-row
+// verification reads and unpacks a panel once, not once per eight rows; their sums stay in registers (16 + 8 + a
+// few of the 32). A row or two is a chain of dependent vpdpbusd: split in two (even and odd groups, an exact integer
+// sum either way) so that the next block's products need not wait on it. The weight stream is prefetched
+// kVnniAhead bytes on, the scales and minimums as far in blocks: a decode step reads every panel once, from memory.
+constexpr int kVnniRows = 16;
+constexpr int64_t kVnniAhead = 2048;
+
 template <bool Q4, int R>
 SPECHEAD_VNNI_TARGET void panel_vnni(const uint8_t* wd, const float* ws, const float* wm, const QRows& a, int64_t r0,
                                      float* y, int64_t ldy, int64_t cols) {
   constexpr int64_t B = Q4 ? 256 : 512;
+  constexpr bool kSplit = R <= 2;
   const __m512i low = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.KB; ++b) {
     const uint8_t* blk = wd + b * B;
+    for (int64_t off = 0; off < B; off += 64) prefetch(blk + kVnniAhead + off);
+    prefetch(ws + (b + kVnniAhead / B) * 16);
+    if (Q4) prefetch(wm + (b + kVnniAhead / B) * 16);
     __m512i w[8];
     if (Q4) {
       for (int h = 0; h < 4; ++h) {
@@ -273,7 +285,16 @@ SPECHEAD_VNNI_TARGET void panel_vnni(const uint8_t* wd, const float* ws, const f
       const int64_t j = (r0 + r) * a.KB + b;
       const int32_t* q4 = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K + b * kBlock);
       __m512i isum = _mm512_setzero_si512();
-      for (int g = 0; g < 8; ++g) isum = _mm512_dpbusd_epi32(isum, w[g], _mm512_set1_epi32(q4[g]));
+      if constexpr (kSplit) {
+        __m512i odd = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g += 2) {
+          isum = _mm512_dpbusd_epi32(isum, w[g], _mm512_set1_epi32(q4[g]));
+          odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(q4[g + 1]));
+        }
+        isum = _mm512_add_epi32(isum, odd);
+      } else {
+        for (int g = 0; g < 8; ++g) isum = _mm512_dpbusd_epi32(isum, w[g], _mm512_set1_epi32(q4[g]));
+      }
       if (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.s[j]));
       __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[j])), acc[r]);
       if (Q4) o = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[j]), o);
@@ -409,8 +430,8 @@ struct Tiles {
 template <bool Q4>
 Tiles tiles() {
 #if defined(SPECHEAD_VNNI_TARGET)
-  static constexpr auto vnni = make_table<Vnni, Q4>(std::make_index_sequence<kMaxRows>{});
-  if (cpu_has_vnni()) return {vnni.data(), kMaxRows};
+  static constexpr auto vnni = make_table<Vnni, Q4>(std::make_index_sequence<kVnniRows>{});
+  if (cpu_has_vnni()) return {vnni.data(), kVnniRows};
 #endif
 #if defined(SPECHEAD_ISA_AVX512) || defined(SPECHEAD_ISA_AVX2)
   static constexpr auto avx2 = make_table<Avx2, Q4>(std::make_index_sequence<kAvx2Rows>{});
