@@ -18,6 +18,7 @@ The guard (``GuardConfig``) chooses per round how much to draft: the tree, a lea
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -192,6 +193,10 @@ class Decoder:
         self.active: list[Request] = []
         self.last_round = 0  # requests the last step's round decoded (0: it ran none)
         self._next_rid = 0
+        # The models, caches and heads are long-lived: out of the cyclic collector's reach, whose full collections
+        # (set off by each round's short-lived objects) otherwise walk all of them, ~4 % of the demo target's
+        # decode step at gguf (sampled on an AMD EPYC Zen 4). They are still freed by reference count.
+        gc.freeze()
 
     # -- what a batch-1 caller reads ----------------------------------------------------------------
     @property
