@@ -114,7 +114,9 @@ inline void score_tile(const float* const* qp, const float* const* kp, int64_t D
   }
   float r[NQ * NS];
   vsum_many(a, NQ * NS, r);
-  for (int u = 0; u < NQ * NS; ++u) out[u] = r[u] * sc;
+  int u = 0;  // scaled a vector at a time: each lane the one IEEE product the scalar tail forms
+  for (; u + W <= NQ * NS; u += W) vstore(out + u, vmul(vload(r + u), vset1(sc)));
+  for (; u < NQ * NS; ++u) out[u] = r[u] * sc;
 }
 
 // Keys per score tile for NQ queries: a vsum_many batch of sums (eight with AVX2, sixteen with AVX-512) where the
@@ -143,8 +145,7 @@ void score_block(const float* const* qp, float* const* sq, const int64_t* j0, co
       for (int u = 0; u < NS; ++u)
         if (s + u + kAttnAhead < end) prefetch_floats(kh + (s + u + kAttnAhead) * D, D);
     score_tile<NQ, NS>(qp, kp, D, sc, out);
-    for (int i = 0; i < NQ; ++i)
-      for (int u = 0; u < NS; ++u) sq[i][j0[i] + s - s0 + u] = out[i * NS + u];
+    for (int i = 0; i < NQ; ++i) std::memcpy(sq[i] + j0[i] + s - s0, out + i * NS, NS * sizeof(float));
   }
   for (; s < s1; ++s) {
     const float* kp[1] = {kh + s * D};
@@ -180,7 +181,7 @@ inline void weigh_chunk(const float* vh, int64_t D, int64_t d, int64_t s0, int64
 template <int NQ>
 void weigh_block(const float* vh, int64_t D, int64_t s0, int64_t s1, const float* const* p, float* const* acc,
                  bool pf, int64_t end) {
-  constexpr int NV = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+  constexpr int NV = NQ == 1 ? 8 : kRegs / 2 / NQ;  // NQ x NV sums in half the registers
   int64_t d = 0;
   for (; d + NV * W <= D; d += NV * W) weigh_chunk<NQ, NV>(vh, D, d, s0, s1, p, acc, pf && d == 0, end);
   if constexpr (NV > 4)  // heads narrower than eight vectors (AVX-512's 64-wide heads are four)

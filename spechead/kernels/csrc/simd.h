@@ -155,6 +155,7 @@ inline Vec vzero() { return Vec{}; }
 inline Vec vset1(float a) { return Vec{} + a; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return c + a * b; }
 inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline Vec vload(const float* p) {
   Vec r;
   std::memcpy(&r, p, sizeof r);
@@ -187,6 +188,10 @@ inline Vec vfma(Vec a, Vec b, Vec c) {
 }
 inline Vec vadd(Vec a, Vec b) {
   for (int l = 0; l < W; ++l) a.v[l] += b.v[l];
+  return a;
+}
+inline Vec vmul(Vec a, Vec b) {
+  for (int l = 0; l < W; ++l) a.v[l] *= b.v[l];
   return a;
 }
 inline Vec vload(const float* p) {
