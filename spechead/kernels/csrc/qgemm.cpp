@@ -284,7 +284,8 @@ SPECHEAD_VNNI_TARGET void panel_vnni(const uint8_t* wd, const float* ws, const f
     for (int r = 0; r < R; ++r) {
       const int64_t j = (r0 + r) * a.KB + b;
       const int32_t* q4 = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * a.K + b * kBlock);
-      __m512i isum = _mm512_setzero_si512();
+      // q8: the sum starts at -128 s, which takes the weights' bias back out exactly (a broadcast, not a subtraction)
+      __m512i isum = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.s[j]);
       if constexpr (kSplit) {
         __m512i odd = _mm512_setzero_si512();
         for (int g = 0; g < 8; g += 2) {
@@ -295,7 +296,6 @@ SPECHEAD_VNNI_TARGET void panel_vnni(const uint8_t* wd, const float* ws, const f
       } else {
         for (int g = 0; g < 8; ++g) isum = _mm512_dpbusd_epi32(isum, w[g], _mm512_set1_epi32(q4[g]));
       }
-      if (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.s[j]));
       __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[j])), acc[r]);
       if (Q4) o = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[j]), o);
       acc[r] = o;
@@ -529,8 +529,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor
   const float* wm = q4 ? min.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
   const int64_t panels = (n + 15) / 16;
-  // a task is a run of panels: 4 panels x K = 576 is ~37 KB of q8 weights, well above the fork cost
-  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+  const auto run = [&](int64_t p0, int64_t p1) {
 #if defined(SPECHEAD_VNNI_TARGET)
     if (a.M >= kAmxRows && amx_granted()) {
       if (q4)
@@ -544,7 +543,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor
       run_panels<true>(wd, ws, wm, a, py, n, p0, p1);
     else
       run_panels<false>(wd, ws, wm, a, py, n, p0, p1);
-  });
+  };
+  // a task is a run of panels: 4 panels x K = 576 is ~37 KB of q8 weights, well above the fork cost
+  at::parallel_for(0, panels, 4, run);
   return y;
 }
 
