@@ -32,15 +32,17 @@ from spechead.heads.subset import SubsetHead
 from spechead.kernels.qlinear import PANEL, QuantWeight
 from spechead.kernels.quant import BLOCK, quantize
 from spechead.model.lowrank import LowRankLinear, default_rank
-from spechead.tuning.measure import cpu_mhz
+from spechead.tuning.measure import cpu_mhz, cpuinfo_field
 
 # int8 multiply-adds per cycle per core of each integer-kernel path (``kernels.ops().qlinear_path()``), by format
 INT_MACS_PER_CYCLE = {
     "amx": {"q8": 1024, "q4": 1024},  # tdpbssd
-    "avx512-vnni": {"q8": 128, "q4": 128},  # vpdpbusd: 64 a port, 2 ports
+    "avx512-vnni": {"q8": 128, "q4": 128},  # vpdpbusd: 64 a port, 2 ports (Intel's server cores; AMD: below)
     "avx2": {"q8": 32, "q4": 64},  # q4: 2 vpmaddubsw (32 pairs) a cycle; q8: vpmaddubsw + vpmaddwd per 32 MACs
     "portable": {"q8": 16, "q4": 16},
 }
+# AMD Zen 4 runs a 512-bit vpdpbusd as two 256-bit halves, one a cycle (3.65 per ns measured at ~3.6 GHz)
+AMD_VNNI_MACS_PER_CYCLE = 64
 AMX_ROWS = 32  # calls of fewer rows take vpdpbusd on an AMX path (csrc/qgemm.cpp, kAmxRows)
 
 
@@ -216,7 +218,7 @@ class IntPeak:
         """The path and the figures the peak is made of."""
         out = {
             "path": self.path,
-            "macs_per_cycle_per_core": INT_MACS_PER_CYCLE[self.path][self.fmt],
+            "macs_per_cycle_per_core": self.macs_per_cycle(AMX_ROWS),
             "clock_MHz": round(self.mhz, 1),
             "clock_source": self.clock,
             "threads": self.threads,
@@ -231,7 +233,10 @@ class IntPeak:
         return "avx512-vnni" if self.path == "amx" and rows < AMX_ROWS else self.path
 
     def macs_per_cycle(self, rows: int) -> int:
-        return INT_MACS_PER_CYCLE[self.path_at(rows)][self.fmt]
+        path = self.path_at(rows)
+        if path == "avx512-vnni" and cpuinfo_field("vendor_id") == "AuthenticAMD":
+            return AMD_VNNI_MACS_PER_CYCLE
+        return INT_MACS_PER_CYCLE[path][self.fmt]
 
     def gmacs(self, rows: int) -> float:
         """Peak multiply-adds per second at ``rows`` rows, in units of 1e9."""
