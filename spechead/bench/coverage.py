@@ -74,9 +74,9 @@ def tokenizer_file(spec: str) -> Path:
         path = cache_dir() / "tokenizers" / "llama3.1" / "tokenizer.json"
         return path if path.is_file() else install_llama31(path)
     if spec == "demo":
-        from spechead.model.loading import resolve_target
+        from spechead.model.loading import packaged_tokenizer
 
-        return resolve_target("demo") / "tokenizer.json"
+        return packaged_tokenizer("demo")
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"

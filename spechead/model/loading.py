@@ -159,6 +159,21 @@ def resolve_target(name: str) -> Path:
     return folder
 
 
+def packaged_tokenizer(name: str) -> Path:
+    """A packaged target's ``tokenizer.json``, read once from its GGUF's metadata and cached: a command that only
+    tokenizes (``spechead coverage``) converts no weights and prints nothing."""
+    packaged = PACKAGED_TARGETS[name]
+    path = cache_dir() / "tokenizers" / packaged.folder / "tokenizer.json"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:
+        _, tok = _gguf_config_tokenizer(packaged.gguf_path(Path(work)))
+        tok.save_pretrained(Path(work) / "tokenizer")
+        os.replace(Path(work) / "tokenizer" / "tokenizer.json", path)  # atomic: a concurrent reader sees all or none
+    return path
+
+
 def target_gguf(name: str, workdir: Path) -> Path:
     """The GGUF file a target spec comes from (a packaged model's may be assembled into ``workdir``), for runtimes
     that read the quantized file itself, such as llama.cpp; a Hugging Face folder has none."""
