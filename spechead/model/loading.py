@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -154,7 +155,7 @@ def resolve_target(name: str) -> Path:
     folder = cache_dir() / f"{path.stem}-{path.stat().st_size}"
     if not (folder / "config.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[spechead] converting {path.name} once (cached in {folder})", flush=True)
+        print(f"[spechead] converting {path.name} once (cached in {folder})", file=sys.stderr, flush=True)
         convert_gguf(path, folder)
     return folder
 
@@ -194,7 +195,7 @@ def _packaged_folder(packaged: PackagedTarget) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix=f"{packaged.folder}.", dir=folder.parent))  # one per process
     try:
         gguf = packaged.gguf_path(workdir)
-        print(f"[spechead] converting {gguf.name} once (cached in {folder})", flush=True)
+        print(f"[spechead] converting {gguf.name} once (cached in {folder})", file=sys.stderr, flush=True)
         convert_gguf(gguf, folder, workdir / "converted")
     finally:  # an assembled GGUF is not needed once converted
         shutil.rmtree(workdir, ignore_errors=True)
@@ -265,13 +266,17 @@ def convert_quantized(name: str, precision: str, out: Path) -> Path:
         if precision == "gguf":
             with tempfile.TemporaryDirectory(dir=tmp) as work:
                 path = PACKAGED_TARGETS[name].gguf_path(Path(work)) if name in PACKAGED_TARGETS else Path(name)
-                print(f"[spechead] converting {path.name} at gguf once (cached in {out})", flush=True)
+                print(f"[spechead] converting {path.name} at gguf once (cached in {out})", file=sys.stderr, flush=True)
                 weights = read_gguf_weights(path)
                 cfg_dict, tok = _gguf_config_tokenizer(path)
             tensors, requantized = weights.tensors, weights.requantized
         else:
             folder = resolve_target(name)
-            print(f"[spechead] quantizing {folder.name} to {precision} once (cached in {out})", flush=True)
+            print(
+                f"[spechead] quantizing {folder.name} to {precision} once (cached in {out})",
+                file=sys.stderr,
+                flush=True,
+            )
             cfg_dict = json.loads((folder / "config.json").read_text())
             from transformers import AutoTokenizer
 
