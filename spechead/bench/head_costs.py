@@ -204,6 +204,7 @@ class IntPeak:
     mhz: float
     clock: str  # where mhz comes from
     threads: int
+    amd: bool = False  # an AMD CPU: vpdpbusd at AMD_VNNI_MACS_PER_CYCLE
 
     @classmethod
     def of(cls, fmt: str) -> IntPeak | None:
@@ -212,7 +213,8 @@ class IntPeak:
         clock = cpu_mhz() if kernels.available() else None
         if clock is None:
             return None
-        return cls(kernels.ops().qlinear_path(), fmt, clock[0], clock[1], torch.get_num_threads())
+        amd = cpuinfo_field("vendor_id") == "AuthenticAMD"
+        return cls(kernels.ops().qlinear_path(), fmt, clock[0], clock[1], torch.get_num_threads(), amd)
 
     def report(self) -> dict:
         """The path and the figures the peak is made of."""
@@ -234,9 +236,7 @@ class IntPeak:
 
     def macs_per_cycle(self, rows: int) -> int:
         path = self.path_at(rows)
-        if path == "avx512-vnni" and cpuinfo_field("vendor_id") == "AuthenticAMD":
-            return AMD_VNNI_MACS_PER_CYCLE
-        return INT_MACS_PER_CYCLE[path][self.fmt]
+        return AMD_VNNI_MACS_PER_CYCLE if self.amd and path == "avx512-vnni" else INT_MACS_PER_CYCLE[path][self.fmt]
 
     def gmacs(self, rows: int) -> float:
         """Peak multiply-adds per second at ``rows`` rows, in units of 1e9."""

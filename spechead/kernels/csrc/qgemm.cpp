@@ -529,7 +529,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor
   const float* wm = q4 ? min.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
   const int64_t panels = (n + 15) / 16;
-  const auto run = [&](int64_t p0, int64_t p1) {
+  // a task is a run of panels: 4 panels x K = 576 is ~37 KB of q8 weights, well above the fork cost
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
 #if defined(SPECHEAD_VNNI_TARGET)
     if (a.M >= kAmxRows && amx_granted()) {
       if (q4)
@@ -543,9 +544,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor
       run_panels<true>(wd, ws, wm, a, py, n, p0, p1);
     else
       run_panels<false>(wd, ws, wm, a, py, n, p0, p1);
-  };
-  // a task is a run of panels: 4 panels x K = 576 is ~37 KB of q8 weights, well above the fork cost
-  at::parallel_for(0, panels, 4, run);
+  });
   return y;
 }
 
